@@ -1,0 +1,64 @@
+"""A quick description of a checkpoint directory, computed without reading any weight data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+
+from engine.checkpoint import CheckpointFiles
+from engine.errors import CheckpointError
+from engine.loader import plan_weights
+from engine.models.registry import model_class_for
+from engine.safetensors_stream import read_header
+
+
+def describe_checkpoint(path: Union[str, Path]) -> dict[str, Any]:
+    checkpoint = CheckpointFiles.open(path)
+    cls = model_class_for(checkpoint.config)
+    config = cls.parse_config(checkpoint.config)
+    special = checkpoint.special_tokens()
+    with torch.device("meta"):
+        model = cls(config, special, checkpoint.config)
+    report: dict[str, Any] = {
+        "path": str(checkpoint.path),
+        "architecture": cls.display_name,
+        "hf_architectures": checkpoint.config.get("architectures"),
+        "model_type": checkpoint.config.get("model_type"),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "layers": config.num_layers,
+        "hidden_size": config.hidden_size,
+        "heads": config.num_heads,
+        "kv_heads": config.num_kv_heads,
+        "vocab_size": config.vocab_size,
+        "logits_shifted": config.logits_shifted,
+        "dtype": checkpoint.config.get("torch_dtype") or "not stated in config.json",
+        "special_ids": {"mask": special.mask_id, "eos": list(special.eos_ids), "eot": special.eot_id,
+                        "pad": special.pad_id, "bos": special.bos_id},
+        "chat_template": checkpoint.has_chat_template,
+        "tokenizer_files": sorted(p.name for p in checkpoint.path.iterdir()
+                                  if p.name in ("tokenizer.json", "vocab.json", "merges.txt")),
+    }
+    try:
+        files = checkpoint.weight_files()
+        dtypes: set[str] = set()
+        for file in files:
+            dtypes.update(str(entry.dtype).removeprefix("torch.") for entry in read_header(file).values())
+        plan_weights(model, files)
+        report["dtype"] = ", ".join(sorted(dtypes))
+        report["weights"] = {"files": len(files), "bytes": sum(f.stat().st_size for f in files),
+                             "status": "ok"}
+    except CheckpointError as err:
+        report["weights"] = {"status": f"not loadable: {err}"}
+    return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    width = max(len(k) for k in report)
+    lines = []
+    for key, value in report.items():
+        if key == "parameters":
+            value = f"{value:,} ({value / 1e9:.2f}B)" if value >= 1e8 else f"{value:,}"
+        lines.append(f"{key.ljust(width)}  {value}")
+    return "\n".join(lines)

@@ -1,0 +1,111 @@
+"""`load_model`: a checkpoint directory in, a ready model on the requested device out.
+
+The model is built on the meta device (no memory), given uninitialised storage on the target
+device in the target dtype, and then filled tensor by tensor from the safetensors files. Every name
+and shape is checked against the weight table from the file headers before any data is read, so a
+bad checkpoint fails in milliseconds and names the offending tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from engine.checkpoint import CheckpointFiles
+from engine.devices import resolve
+from engine.errors import CheckpointError
+from engine.models.attention import select_attention
+from engine.models.registry import model_class_for
+from engine.models.transformer import DiffusionTransformer
+from engine.models.weight_names import IGNORED_WEIGHTS, expected_weights
+from engine.safetensors_stream import TensorEntry, copy_tensor_into, read_header
+
+
+@dataclass(frozen=True)
+class _Placement:
+    entry: TensorEntry
+    param: str
+    rows: Optional[tuple[int, int]]  # (start, size) inside a fused parameter
+
+
+def _destination(model: DiffusionTransformer, placement: _Placement) -> torch.Tensor:
+    data = model.get_parameter(placement.param).data
+    if placement.rows is None:
+        return data
+    start, size = placement.rows
+    return data[start:start + size]
+
+
+def plan_weights(model: DiffusionTransformer, files: list[Path]) -> dict[Path, list[_Placement]]:
+    """Match every tensor in the files to a parameter, checking names and shapes; read no data."""
+    expected = expected_weights(model.config)
+    plan: dict[Path, list[_Placement]] = {}
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    for path in files:
+        plan[path] = []
+        for name, entry in read_header(path).items():
+            if name not in expected:
+                if not IGNORED_WEIGHTS.search(name):
+                    unexpected.append(name)
+                continue
+            if name in seen:
+                raise CheckpointError(f"weight {name} appears in more than one shard")
+            seen.add(name)
+            param, shard = expected[name]
+            rows = None
+            if shard is not None:
+                module = model.get_submodule(param.rsplit(".", 1)[0])
+                rows = module.shard_offsets[shard]
+            placement = _Placement(entry, param, rows)
+            want = tuple(_destination(model, placement).shape)
+            if entry.shape != want:
+                raise CheckpointError(f"weight {name} has shape {list(entry.shape)} but the config "
+                                      f"implies {list(want)} (in {path.name})")
+            plan[path].append(placement)
+    if unexpected:
+        shown = ", ".join(sorted(unexpected)[:5]) + (" …" if len(unexpected) > 5 else "")
+        raise CheckpointError(f"{len(unexpected)} weight(s) are not part of a {model.display_name} model "
+                              f"with this config: {shown}")
+    missing = sorted(set(expected) - seen)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" …" if len(missing) > 5 else "")
+        raise CheckpointError(f"{len(missing)} weight(s) missing from the checkpoint: {shown}")
+    return plan
+
+
+def load_model(path: Union[str, Path], device: Union[str, torch.device] = "cpu",
+               dtype: Union[str, torch.dtype] = torch.float32, *,
+               use_flash_attn: Optional[bool] = None) -> DiffusionTransformer:
+    """Load a LLaDA or Dream checkpoint (local directory, safetensors) for inference.
+
+    The returned module maps `(input_ids, attention_mask=None, position_ids=None)` to raw logits
+    [B, L, vocab]; `.config`, `.special` (token ids), `.hf_config` and `.logits_shifted` describe it.
+    """
+    checkpoint = CheckpointFiles.open(path)
+    cls = model_class_for(checkpoint.config)
+    config = cls.parse_config(checkpoint.config)
+    special = checkpoint.special_tokens()
+    files = checkpoint.weight_files()
+    target_device, target_dtype = resolve(device, dtype)
+
+    with torch.device("meta"):
+        model = cls(config, special, checkpoint.config)
+    plan = plan_weights(model, files)
+    model = model.to(dtype=target_dtype).to_empty(device=target_device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+
+    with torch.no_grad():
+        for file, placements in plan.items():
+            with open(file, "rb", buffering=0) as f:
+                for placement in placements:
+                    copy_tensor_into(f, placement.entry, _destination(model, placement))
+
+    model.requires_grad_(False)
+    model.eval()
+    model.set_attention_kernel(*select_attention(target_device, target_dtype, use_flash_attn))
+    return model

@@ -1,0 +1,127 @@
+"""Layers shared by every model family: RMSNorm, rotary embedding, attention block, SwiGLU MLP.
+
+Projections that read the same input are fused (q|k|v and gate|up) so each is one matmul; the
+loader fills the fused weights shard by shard through `shard_offsets`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from engine.models.attention import AttentionFn, sdpa_attention
+from engine.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Both official models normalise in float32 and cast back *before* scaling by the weight.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class FusedLinear(nn.Linear):
+    """A linear layer whose output rows are the concatenation of named checkpoint tensors."""
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(shards.values()), bias=bias)
+        self.shard_offsets: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, size in shards.items():
+            self.shard_offsets[name] = (start, size)
+            start += size
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half (NeoX) RoPE over the full head dimension, cos/sin always built in float32."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [B, L] -> cos, sin of shape [B, 1, L, head_dim] in float32."""
+        exponent = torch.arange(0, self.head_dim, 2, device=position_ids.device,
+                                dtype=torch.int64).float() / self.head_dim
+        inv_freq = 1.0 / (self.theta ** exponent)
+        freqs = position_ids.float()[..., None] * inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return angles.cos(), angles.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 in_float32: bool) -> torch.Tensor:
+    if in_float32:
+        xf = x.float()
+        return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.rope_in_float32 = config.rope_in_float32
+        self.qkv_proj = FusedLinear(config.hidden_size,
+                                    {"q": config.q_size, "k": config.kv_size, "v": config.kv_size},
+                                    bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.kernel: AttentionFn = sdpa_attention
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        batch, length, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(
+            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+             self.num_kv_heads * self.head_dim], dim=-1)
+        q = q.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = apply_rotary(q, cos, sin, self.rope_in_float32)
+        k = apply_rotary(k, cos, sin, self.rope_in_float32)
+        out = self.kernel(q, k, v, key_mask)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = FusedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size},
+                                        bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, key_mask)
+        return x + self.mlp(self.mlp_norm(x))

@@ -1,0 +1,35 @@
+"""From a checkpoint's `architectures` / `model_type` to the class that implements it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.errors import CheckpointError
+from engine.models.dream import DreamModel
+from engine.models.llada import LLaDAModel
+from engine.models.transformer import DiffusionTransformer
+
+_BY_ARCHITECTURE: dict[str, type[DiffusionTransformer]] = {
+    "LLaDAModelLM": LLaDAModel,
+    "DreamModel": DreamModel,
+}
+_BY_MODEL_TYPE: dict[str, type[DiffusionTransformer]] = {
+    "llada": LLaDAModel,
+    "dream": DreamModel,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_BY_ARCHITECTURE)
+
+
+def model_class_for(hf_config: dict[str, Any]) -> type[DiffusionTransformer]:
+    for name in hf_config.get("architectures") or []:
+        if name in _BY_ARCHITECTURE:
+            return _BY_ARCHITECTURE[name]
+    model_type = str(hf_config.get("model_type", "")).lower()
+    if model_type in _BY_MODEL_TYPE:
+        return _BY_MODEL_TYPE[model_type]
+    raise CheckpointError(
+        f"unknown architecture: architectures={hf_config.get('architectures')!r}, "
+        f"model_type={hf_config.get('model_type')!r}; supported: {', '.join(supported_architectures())}")

@@ -1,0 +1,98 @@
+"""The shared masked-diffusion transformer: embedding, N pre-norm decoder layers, norm, head.
+
+Contract: `model(input_ids [B, L], attention_mask [B, L] | None, position_ids [B, L] | None)`
+returns raw logits [B, L, vocab] (never shifted; `logits_shifted` tells the decoder whether output
+i-1 predicts token i). Rows may be left-padded: attention_mask 0 marks pads, which no token attends
+to, and positions then count real tokens only, so every real token gets the logits it gets unpadded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Optional
+
+import torch
+from torch import nn
+
+from engine.models.attention import AttentionFn
+from engine.models.config import ModelConfig
+from engine.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from engine.special_tokens import SpecialTokens
+
+
+def positions_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position of each real token among the real tokens of its row (Dream's `tok_idx`).
+
+    Pads get position 1 exactly as Dream's `generation_utils._sample` gives them; they are never
+    attended to, so the value only has to be a valid position.
+    """
+    mask = attention_mask.long()
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+
+
+class DiffusionTransformer(nn.Module):
+    architecture: ClassVar[str] = ""
+    display_name: ClassVar[str] = ""
+
+    def __init__(self, config: ModelConfig, special: SpecialTokens,
+                 hf_config: Optional[dict[str, Any]] = None) -> None:
+        super().__init__()
+        self.config = config
+        self.special = special
+        self.hf_config = dict(hf_config or {})
+        self.attention_backend = "sdpa"
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    @classmethod
+    def parse_config(cls, hf_config: dict[str, Any]) -> ModelConfig:
+        raise NotImplementedError
+
+    @property
+    def logits_shifted(self) -> bool:
+        return self.config.logits_shifted
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def set_attention_kernel(self, name: str, kernel: AttentionFn) -> None:
+        self.attention_backend = name
+        for layer in self.layers:
+            layer.attn.kernel = kernel
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None, *,
+                hidden_states_out: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
+        """Raw logits [B, L, vocab]. If `hidden_states_out` is a list, the input of every layer and
+        the normed final state are appended to it (Hugging Face's `output_hidden_states` order)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+        key_mask = None
+        if attention_mask is not None:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} does not match "
+                                 f"input_ids shape {tuple(input_ids.shape)}")
+            key_mask = attention_mask.bool()[:, None, None, :]
+            if position_ids is None:
+                position_ids = positions_from_attention_mask(attention_mask)
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        cos, sin = self.rotary(position_ids)
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            if hidden_states_out is not None:
+                hidden_states_out.append(x)
+            x = layer(x, cos, sin, key_mask)
+        x = self.norm(x)
+        if hidden_states_out is not None:
+            hidden_states_out.append(x)
+        return self.lm_head(x)

@@ -1,0 +1,43 @@
+"""Shared test fixtures. The parity data lives in ../shared/fixtures (read-only, beside the repo)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = Path(os.environ.get("CAI_DLLM_FIXTURES", REPO.parent / "shared" / "fixtures")).resolve()
+
+if not (FIXTURES / "README.md").is_file():
+    raise RuntimeError(f"parity fixtures not found at {FIXTURES}; put ../shared beside the repository "
+                       "or set CAI_DLLM_FIXTURES")
+
+
+@pytest.fixture(scope="session")
+def fixtures() -> Path:
+    return FIXTURES
+
+
+@pytest.fixture(scope="session")
+def llada_model():
+    from engine import load_model
+
+    return load_model(FIXTURES / "llada_tiny")
+
+
+@pytest.fixture(scope="session")
+def dream_model():
+    from engine import load_model
+
+    return load_model(FIXTURES / "dream_tiny")
+
+
+@pytest.fixture
+def llada_copy(tmp_path: Path) -> Path:
+    """A writable copy of the tiny LLaDA checkpoint, for tests that break it."""
+    dest = tmp_path / "llada"
+    shutil.copytree(FIXTURES / "llada_tiny", dest)
+    return dest
