@@ -86,7 +86,10 @@ class Attention(nn.Module):
         self.kernel: AttentionFn = sdpa_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+                key_mask: Optional[torch.Tensor],
+                cache: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """`cache` = (keys, values, write_index): this forward's k/v are written into the cache
+        columns `write_index` and the queries attend over the whole cache."""
         batch, length, _ = x.shape
         q, k, v = self.qkv_proj(x).split(
             [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
@@ -96,6 +99,12 @@ class Attention(nn.Module):
         v = v.view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = apply_rotary(q, cos, sin, self.rope_in_float32)
         k = apply_rotary(k, cos, sin, self.rope_in_float32)
+        if cache is not None:
+            cache_k, cache_v, write_index = cache
+            index = write_index[:, None, :, None].expand(-1, self.num_kv_heads, -1, self.head_dim)
+            cache_k.scatter_(2, index, k)
+            cache_v.scatter_(2, index, v)
+            k, v = cache_k, cache_v
         out = self.kernel(q, k, v, key_mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
@@ -122,6 +131,7 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                key_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, key_mask)
+                key_mask: Optional[torch.Tensor],
+                cache: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, key_mask, cache)
         return x + self.mlp(self.mlp_norm(x))

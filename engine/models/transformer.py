@@ -15,6 +15,7 @@ from torch import nn
 
 from engine.models.attention import AttentionFn
 from engine.models.config import ModelConfig
+from engine.models.kv_cache import CacheWrite
 from engine.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from engine.special_tokens import SpecialTokens
 
@@ -71,13 +72,23 @@ class DiffusionTransformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None, *,
+                cache: Optional[CacheWrite] = None,
+                logits_at: Optional[torch.Tensor] = None,
                 hidden_states_out: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
-        """Raw logits [B, L, vocab]. If `hidden_states_out` is a list, the input of every layer and
-        the normed final state are appended to it (Hugging Face's `output_hidden_states` order)."""
+        """Raw logits [B, L, vocab], or [B, K, vocab] at the input positions `logits_at` [B, K].
+
+        With `cache`, the inputs' keys/values are written into the cache store and attention runs
+        over the store's columns, masked by `cache.store.key_mask` (`attention_mask` must be None).
+        If `hidden_states_out` is a list, the input of every layer and the normed final state are
+        appended to it (Hugging Face's `output_hidden_states` order)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
         key_mask = None
-        if attention_mask is not None:
+        if cache is not None:
+            if attention_mask is not None:
+                raise ValueError("with a cache, the key mask comes from the cache store")
+            key_mask = cache.store.key_mask[:, None, None, :]
+        elif attention_mask is not None:
             if attention_mask.shape != input_ids.shape:
                 raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} does not match "
                                  f"input_ids shape {tuple(input_ids.shape)}")
@@ -88,10 +99,13 @@ class DiffusionTransformer(nn.Module):
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         cos, sin = self.rotary(position_ids)
         x = self.embed(input_ids)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             if hidden_states_out is not None:
                 hidden_states_out.append(x)
-            x = layer(x, cos, sin, key_mask)
+            layer_cache = None if cache is None else (*cache.layer(i), cache.write_index)
+            x = layer(x, cos, sin, key_mask, layer_cache)
+        if logits_at is not None:
+            x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
         x = self.norm(x)
         if hidden_states_out is not None:
             hidden_states_out.append(x)

@@ -1,0 +1,178 @@
+"""Per-request decoding parameters: one frozen dataclass, validated on construction.
+
+Field names are the paper's and the API's (`decoding` object, `cai-dllm generate` flags). `None`
+means "the model's default" and is filled by `resolve_defaults` (gating on for LLaDA, off for
+Dream; Dream's own policies decode the canvas as one block, as `diffusion_generate` does).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any, Optional
+
+POLICIES = ("fixed", "threshold", "cai", "dream-maskgit_plus", "dream-entropy", "dream-topk_margin")
+CACHE_MODES = ("none", "prefix", "dual")
+BLOCK_SCHEDULE_MODES = ("clamp", "stretch")
+ETA_DENOMINATORS = ("generation", "block")
+GRINDING_EXITS = ("continue", "fill")
+
+
+class DecodeParamError(ValueError):
+    """A decode parameter has a bad value; `param` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+@dataclass(frozen=True)
+class DecodeParams:
+    policy: str = "cai"
+    gen_length: int = 128
+    block_length: Optional[int] = None  # None: 32, or gen_length for dream-* policies
+    steps: Optional[int] = None  # total denoising steps over the canvas; None: gen_length
+    temperature: float = 0.0
+    seed: Optional[int] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    cfg_scale: float = 0.0
+    early_exit: bool = True
+    # KV cache (runner axis)
+    cache: str = "none"
+    refresh_interval: int = 0  # full recompute every f steps inside a block; 0 = block starts only
+    # threshold policy (Fast-dLLM)
+    threshold: float = 0.9
+    # dream-* policies
+    eps: float = 1e-3
+    # CAI (paper Boxes 3-6); see docs/cai.md for every decision where the paper is silent
+    theta_s: float = 0.90
+    theta_e: float = 0.70
+    warmup: float = 0.15
+    block_schedule: bool = True
+    block_decay: float = 0.10
+    block_schedule_mode: str = "clamp"
+    position_factors: bool = True
+    budgets: bool = True
+    gating: Optional[bool] = None  # None: the model's default (on for LLaDA, off for Dream)
+    grinding: bool = True
+    eta: float = 0.015
+    eta_denominator: str = "generation"
+    patience: int = 4
+    theta_fb: float = 0.40
+    grinding_exit: str = "continue"
+    min_commit: int = 1
+
+    def __post_init__(self) -> None:
+        _check_choice("policy", self.policy, POLICIES)
+        _check_choice("cache", self.cache, CACHE_MODES)
+        _check_choice("block_schedule_mode", self.block_schedule_mode, BLOCK_SCHEDULE_MODES)
+        _check_choice("eta_denominator", self.eta_denominator, ETA_DENOMINATORS)
+        _check_choice("grinding_exit", self.grinding_exit, GRINDING_EXITS)
+        for name in ("early_exit", "block_schedule", "position_factors", "budgets", "grinding"):
+            _check_bool(name, getattr(self, name))
+        if self.gating is not None:
+            _check_bool("gating", self.gating)
+        _check_int("gen_length", self.gen_length, low=1)
+        if self.block_length is not None:
+            _check_int("block_length", self.block_length, low=1)
+            if self.gen_length % self.block_length:
+                raise DecodeParamError("block_length", f"must divide gen_length ({self.gen_length}), "
+                                       f"got {self.block_length}")
+        if self.steps is not None:
+            _check_int("steps", self.steps, low=1)
+            if self.steps % self.num_blocks:
+                raise DecodeParamError("steps", f"must be a multiple of the number of blocks "
+                                       f"({self.num_blocks}), got {self.steps}")
+        _check_float("temperature", self.temperature, low=0.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=0)
+        if self.top_p is not None:
+            _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        if self.top_k is not None:
+            _check_int("top_k", self.top_k, low=1)
+        _check_float("cfg_scale", self.cfg_scale, low=0.0)
+        if self.cfg_scale > 0 and self.cache != "none":
+            raise DecodeParamError("cfg_scale", "classifier-free guidance needs cache='none'")
+        _check_int("refresh_interval", self.refresh_interval, low=0)
+        _check_float("threshold", self.threshold, low=0.0, high=1.0)
+        _check_float("eps", self.eps, low=0.0, high=1.0, low_open=True)
+        for name in ("theta_s", "theta_e", "theta_fb", "eta", "block_decay"):
+            _check_float(name, getattr(self, name), low=0.0, high=1.0)
+        _check_float("warmup", self.warmup, low=0.0, high=1.0, high_open=True)
+        _check_int("patience", self.patience, low=1)
+        _check_int("min_commit", self.min_commit, low=0, high=1)
+
+    @property
+    def effective_block_length(self) -> int:
+        if self.block_length is not None:
+            return self.block_length
+        return self.gen_length if self.policy.startswith("dream-") else min(32, self.gen_length)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.gen_length // self.effective_block_length
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps if self.steps is not None else self.gen_length
+
+    @property
+    def steps_per_block(self) -> int:
+        return self.total_steps // self.num_blocks
+
+    @property
+    def gating_on(self) -> bool:
+        return bool(self.gating)
+
+    def with_overrides(self, **overrides: Any) -> DecodeParams:
+        return replace(self, **overrides)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> DecodeParams:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise DecodeParamError(unknown[0], "unknown decoding parameter")
+        return cls(**values)
+
+
+def resolve_defaults(params: DecodeParams, architecture: str) -> DecodeParams:
+    """Fill the fields whose default depends on the model (paper: gating on for LLaDA, off for Dream)."""
+    updates: dict[str, Any] = {}
+    if params.gating is None:
+        updates["gating"] = architecture == "llada"
+    if params.block_length is None:
+        updates["block_length"] = params.effective_block_length
+    if params.steps is None:
+        updates["steps"] = params.total_steps
+    return replace(params, **updates) if updates else params
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise DecodeParamError(name, f"must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise DecodeParamError(name, f"must be true or false, got {value!r}")
+
+
+def _check_int(name: str, value: Any, low: Optional[int] = None, high: Optional[int] = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DecodeParamError(name, f"must be an integer, got {value!r}")
+    if low is not None and value < low:
+        raise DecodeParamError(name, f"must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise DecodeParamError(name, f"must be <= {high}, got {value}")
+
+
+def _check_float(name: str, value: Any, low: Optional[float] = None, high: Optional[float] = None,
+                 low_open: bool = False, high_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DecodeParamError(name, f"must be a finite number, got {value!r}")
+    if low is not None and (value < low or (low_open and value == low)):
+        raise DecodeParamError(name, f"must be {'>' if low_open else '>='} {low}, got {value}")
+    if high is not None and (value > high or (high_open and value == high)):
+        raise DecodeParamError(name, f"must be {'<' if high_open else '<='} {high}, got {value}")

@@ -1,0 +1,218 @@
+"""Decoding policies: pure functions over batched tensors, no per-row Python loops.
+
+Every function takes the current block of each row in the batch as [B, W] tensors (W = the widest
+block; positions past a row's block are never candidates) and per-row values as [B] tensors, and
+says which positions to commit this step. Rows in one batch may use different policies: `decide`
+evaluates each family present and picks per row.
+
+Families:
+- rank (`fixed`, `dream-*`): commit the `quota` best candidates; the quota comes from LLaDA's
+  `get_num_transfer_tokens` or Dream's `int(M * (1 - s/t))` schedule.
+- `threshold`: Fast-dLLM — every candidate with confidence >= threshold, and always the best one.
+- `cai`: the paper's controller (Boxes 3-6, Algorithm 1); decisions where the paper is silent are
+  marked DECISION and collected in docs/cai.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+NEG_INF = float("-inf")
+
+FAMILY_RANK = 0
+FAMILY_THRESHOLD = 1
+FAMILY_CAI = 2
+
+# Paper constants, defined for a 64-token block and 64 steps per block (Boxes 4-5). They scale with
+# the block length (position boundaries) and with the steps per block (budgets): DECISION.
+PAPER_BLOCK_LENGTH = 64
+PAPER_STEPS_PER_BLOCK = 64
+PAPER_BLOCK_TIERS = 4  # Box 4 defines end thresholds for blocks b = 1..4
+POSITION_FACTORS = (0.80, 0.90, 1.05, 1.10)  # Box 5, quarters of the block
+TOKEN_THRESHOLD_CLIP = (0.20, 0.98)  # Box 5
+BUDGET_STEPS = (8, 32, 64)  # Box 5 (token budgets), in steps of a 64-step block
+CONF_HIGH, CONF_LOW = 0.50, 0.25  # Box 5 budget tiers; also the telemetry bands
+
+
+def rank_in_row(score: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """Rank of each candidate by descending score within its row (0 = best); non-candidates last."""
+    keyed = score.masked_fill(~candidates, NEG_INF)
+    order = keyed.argsort(dim=-1, descending=True, stable=True)
+    return order.argsort(dim=-1)
+
+
+def commit_best(score: torch.Tensor, candidates: torch.Tensor, quota: torch.Tensor) -> torch.Tensor:
+    """The `quota[b]` best candidates of each row b."""
+    return candidates & (rank_in_row(score, candidates) < quota[:, None])
+
+
+def fixed_quota(masked_at_block_start: torch.Tensor, steps_per_block: torch.Tensor,
+                step: torch.Tensor) -> torch.Tensor:
+    """LLaDA `get_num_transfer_tokens`: M // s per step, the first M % s steps one more."""
+    base = masked_at_block_start // steps_per_block
+    remainder = masked_at_block_start % steps_per_block
+    return base + (step < remainder).long()
+
+
+def dream_quota(masked_now: torch.Tensor, transfer_fraction: torch.Tensor, last_step: torch.Tensor) -> torch.Tensor:
+    """Dream `diffusion_generate`: int(M * (1 - s/t)) in float32, every remaining mask at the last step."""
+    quota = (masked_now.float() * transfer_fraction).long()
+    return torch.where(last_step, masked_now, quota)
+
+
+def dream_transfer_fractions(steps: int, eps: float) -> list[float]:
+    """(1 - s/t) for each step, from Dream's `timesteps = linspace(1, eps, steps + 1)`, in float32."""
+    timesteps = torch.linspace(1, eps, steps + 1)
+    return (1 - timesteps[1:] / timesteps[:-1]).tolist()
+
+
+def threshold_commit(conf: torch.Tensor, candidates: torch.Tensor, threshold: torch.Tensor,
+                     min_commit: torch.Tensor) -> torch.Tensor:
+    """Fast-dLLM `get_transfer_index` with a threshold: conf >= threshold, plus the best candidate
+    when `min_commit` is 1 (Fast-dLLM always commits it)."""
+    commit = candidates & (conf >= threshold[:, None])
+    best = commit_best(conf, candidates, torch.ones_like(threshold, dtype=torch.long))
+    return commit | (best & (min_commit[:, None] > 0))
+
+
+# ---------------------------------------------------------------------------------------------- CAI
+
+
+def cai_end_threshold(theta_e: torch.Tensor, block_index: torch.Tensor, num_blocks: torch.Tensor,
+                      decay: torch.Tensor, stretch: torch.Tensor, enabled: torch.Tensor) -> torch.Tensor:
+    """Box 4: theta_e^(b) = theta_e - decay * (b - 1) for b = 1..4 (block_index is 0-based).
+
+    DECISION (more than 4 blocks): `clamp` keeps block 4's value for every later block; `stretch`
+    maps the blocks onto the 4 tiers by their place in the canvas. Never below 0."""
+    clamped = block_index.clamp(max=PAPER_BLOCK_TIERS - 1)
+    stretched = block_index * PAPER_BLOCK_TIERS // num_blocks
+    tier = torch.where(stretch, stretched, clamped).float()
+    scheduled = (theta_e - decay * tier).clamp(min=0.0)
+    return torch.where(enabled, scheduled, theta_e)
+
+
+def cai_block_threshold(step: torch.Tensor, steps_per_block: torch.Tensor, theta_s: torch.Tensor,
+                        theta_end: torch.Tensor, warmup: torch.Tensor) -> torch.Tensor:
+    """Boxes 3-4: theta_s during warm-up (t < wT), then a cosine from theta_s down to theta_end."""
+    t = step.float()
+    total = steps_per_block.float()
+    warm = warmup * total
+    u = (t - warm) / (total - warm)
+    alpha = (theta_s - theta_end) / 2
+    relaxed = theta_end + alpha * (1 + torch.cos(math.pi * u))
+    return torch.where(t < warm, theta_s, relaxed)
+
+
+def block_quarter(width: int, block_length: torch.Tensor) -> torch.Tensor:
+    """Quarter (0..3) of each position p inside its block: the paper's 16/32/48 boundaries for a
+    64-token block, scaled to the block length (DECISION)."""
+    p = torch.arange(width, device=block_length.device)[None, :]
+    return (p * 4 // block_length[:, None]).clamp(max=3)
+
+
+def cai_token_thresholds(theta_block: torch.Tensor, quarter: torch.Tensor, enabled: torch.Tensor) -> torch.Tensor:
+    """Box 5: theta_i = clip(theta_b * r_pos(i), 0.20, 0.98); theta_b itself when disabled."""
+    factors = torch.tensor(POSITION_FACTORS, device=quarter.device)[quarter]
+    low, high = TOKEN_THRESHOLD_CLIP
+    positional = (theta_block[:, None] * factors).clamp(low, high)
+    return torch.where(enabled[:, None], positional, theta_block[:, None])
+
+
+def budget_levels(steps_per_block: torch.Tensor) -> torch.Tensor:
+    """Box 5's 8/32/64-step budgets scaled to the steps per block (DECISION), at least 1: [B, 3]."""
+    scaled = torch.tensor(BUDGET_STEPS, device=steps_per_block.device)[None, :] * steps_per_block[:, None]
+    return torch.div(scaled, PAPER_STEPS_PER_BLOCK, rounding_mode="floor").clamp(min=1)
+
+
+def cai_budgets(first_conf: torch.Tensor, quarter: torch.Tensor, steps_per_block: torch.Tensor) -> torch.Tensor:
+    """Box 5, cases in order: 8 if s > 0.5 and p < 32; 64 if s < 0.25 or p >= 48; else 32."""
+    levels = budget_levels(steps_per_block)
+    small, mid, big = levels[:, 0:1], levels[:, 1:2], levels[:, 2:3]
+    easy = (first_conf > CONF_HIGH) & (quarter < 2)
+    hard = (first_conf < CONF_LOW) | (quarter >= 3)
+    return torch.where(easy, small, torch.where(hard, big, mid))
+
+
+@dataclass
+class CaiState:
+    """What CAI carries from step to step within a block, per row."""
+
+    first_conf: torch.Tensor  # [B, W] s_i = c_i^(0), set at the block's step 0 (Box 2)
+    low_yield: torch.Tensor  # [B] the counter l of Algorithm 1
+
+
+@dataclass
+class CaiKnobs:
+    """Per-row CAI parameters as tensors ([B])."""
+
+    theta_s: torch.Tensor
+    theta_e: torch.Tensor
+    warmup: torch.Tensor
+    block_schedule: torch.Tensor
+    block_decay: torch.Tensor
+    stretch: torch.Tensor
+    position_factors: torch.Tensor
+    budgets: torch.Tensor  # budgets on (already and-ed with gating)
+    grinding: torch.Tensor  # grinding detector on (already and-ed with gating)
+    eta: torch.Tensor
+    eta_denominator: torch.Tensor  # tokens η is a fraction of (generation or block length)
+    patience: torch.Tensor
+    theta_fb: torch.Tensor
+    grinding_fill: torch.Tensor
+    min_commit: torch.Tensor
+
+
+@dataclass
+class CaiDecision:
+    commit: torch.Tensor  # [B, W]
+    forced: torch.Tensor  # [B, W] committed below the token's threshold (budget, grinding, block end)
+    low_yield: torch.Tensor  # [B] the counter after this step
+    grinding_exit: torch.Tensor  # [B] the detector fired this step
+    thresholds: torch.Tensor  # [B, W] theta_i(t), for telemetry and tests
+    budgets: torch.Tensor  # [B, W] B_i
+
+
+def cai_step(conf: torch.Tensor, candidates: torch.Tensor, step: torch.Tensor, steps_per_block: torch.Tensor,
+             block_index: torch.Tensor, num_blocks: torch.Tensor, block_length: torch.Tensor,
+             state: CaiState, knobs: CaiKnobs) -> CaiDecision:
+    """One step of Algorithm 1 for every row (its lines 10-29)."""
+    theta_end = cai_end_threshold(knobs.theta_e, block_index, num_blocks, knobs.block_decay,
+                                  knobs.stretch, knobs.block_schedule)
+    theta_block = cai_block_threshold(step, steps_per_block, knobs.theta_s, theta_end, knobs.warmup)
+    quarter = block_quarter(conf.shape[1], block_length)
+    thresholds = cai_token_thresholds(theta_block, quarter, knobs.position_factors)
+    by_threshold = candidates & (conf >= thresholds)
+
+    budgets = cai_budgets(state.first_conf, quarter, steps_per_block)
+    by_budget = candidates & knobs.budgets[:, None] & (step[:, None] >= budgets) & ~by_threshold
+    commit = by_threshold | by_budget
+
+    # DECISION (a step that commits nothing): with min_commit=1 the best candidate is committed, as
+    # in Fast-dLLM, so every forward makes progress; min_commit=0 follows Algorithm 1 literally.
+    nothing = ~commit.any(dim=1) & candidates.any(dim=1) & (knobs.min_commit > 0)
+    best = commit_best(conf, candidates, torch.ones_like(step))
+    commit = commit | (best & nothing[:, None])
+
+    # Box 6: eta = newly committed / L. DECISION: L is the generation length by default (the
+    # "sequence" being decoded); `eta_denominator=block` uses the block length.
+    eta = commit.sum(dim=1).float() / knobs.eta_denominator
+    low_yield = torch.where(eta < knobs.eta, state.low_yield + 1, torch.zeros_like(state.low_yield))
+    grinding_exit = knobs.grinding & (low_yield >= knobs.patience)
+    remaining = candidates & ~commit
+    by_grinding = remaining & grinding_exit[:, None] & (conf > knobs.theta_fb[:, None])
+    # DECISION (tokens left at a grinding exit): `continue` keeps decoding them, with the counter
+    # reset; `fill` ends the block now, committing them with their current prediction.
+    by_grinding |= remaining & (grinding_exit & knobs.grinding_fill)[:, None]
+    commit = commit | by_grinding
+    low_yield = torch.where(grinding_exit, torch.zeros_like(low_yield), low_yield)
+
+    # DECISION (a block never ends with masks): at the block's last step every token still masked
+    # is committed with its current prediction.
+    last = step >= steps_per_block - 1
+    by_block_end = candidates & ~commit & last[:, None]
+    commit = commit | by_block_end
+    forced = by_budget | by_grinding | by_block_end
+    return CaiDecision(commit, forced, low_yield, grinding_exit, thresholds, budgets)

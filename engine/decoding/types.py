@@ -1,0 +1,62 @@
+"""What goes into the runner (a request) and what comes out (a result with its telemetry)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from engine.decoding.params import DecodeParams
+
+FINISH_STOP = "stop"  # an end token was generated
+FINISH_LENGTH = "length"  # the canvas filled without an end token
+FINISH_ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]
+    params: DecodeParams = field(default_factory=DecodeParams)
+    request_id: str = ""
+
+
+@dataclass
+class RequestStats:
+    """Per-request telemetry (issue: NFE, steps per block, steps saved, commits, bands, time)."""
+
+    fixed_step_budget: int  # blocks x steps per block: what the fixed decoder would spend
+    nfe: int = 0  # forward passes this request took part in
+    steps_per_block: list[int] = field(default_factory=list)
+    tokens_per_step: list[int] = field(default_factory=list)
+    forced_commits: int = 0  # committed below their threshold: budgets, grinding, block end
+    grinding_exits: int = 0
+    # first-step confidence of every token masked at its block's first step: > 0.5, 0.25-0.5, < 0.25
+    first_step_confidence_bands: list[int] = field(default_factory=lambda: [0, 0, 0])
+    queue_time: float = 0.0
+    wall_time: float = 0.0
+
+    @property
+    def steps(self) -> int:
+        return sum(self.steps_per_block)
+
+    @property
+    def steps_saved(self) -> int:
+        """Blocks skipped by early exit count as saved."""
+        return self.fixed_step_budget - self.steps
+
+    def as_dict(self) -> dict:
+        return {"nfe": self.nfe, "steps_per_block": self.steps_per_block, "steps_saved": self.steps_saved,
+                "fixed_step_budget": self.fixed_step_budget, "tokens_per_step": self.tokens_per_step,
+                "forced_commits": self.forced_commits, "grinding_exits": self.grinding_exits,
+                "first_step_confidence_bands": dict(zip(("gt_0.5", "0.25_to_0.5", "lt_0.25"),
+                                                        self.first_step_confidence_bands, strict=True)),
+                "wall_time": self.wall_time}
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    generated_ids: list[int]  # up to and including the end token when early exit stopped the row
+    finish_reason: str
+    stats: RequestStats
+    end_index: Optional[int] = None  # index in generated_ids of the first end token, if any
