@@ -45,6 +45,8 @@ class DecodeParams:
     threshold: float = 0.9
     # dream-* policies
     eps: float = 1e-3
+    # Fast-dLLM's Dream block decoder: a block's first forward commits exactly its first token
+    commit_first_at_block_start: bool = False
     # CAI (paper Boxes 3-6); see docs/cai.md for every decision where the paper is silent
     theta_s: float = 0.90
     theta_e: float = 0.70
@@ -69,7 +71,8 @@ class DecodeParams:
         _check_choice("block_schedule_mode", self.block_schedule_mode, BLOCK_SCHEDULE_MODES)
         _check_choice("eta_denominator", self.eta_denominator, ETA_DENOMINATORS)
         _check_choice("grinding_exit", self.grinding_exit, GRINDING_EXITS)
-        for name in ("early_exit", "block_schedule", "position_factors", "budgets", "grinding"):
+        for name in ("early_exit", "block_schedule", "position_factors", "budgets", "grinding",
+                     "commit_first_at_block_start"):
             _check_bool(name, getattr(self, name))
         if self.gating is not None:
             _check_bool("gating", self.gating)

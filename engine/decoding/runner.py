@@ -320,7 +320,9 @@ class BlockDiffusionRunner:
         for i, (row, (first, end)) in enumerate(zip(rows, spans, strict=True)):
             ids[i, :end - first] = row.canvas[first:end]
             positions[i, :end - first] = torch.arange(first, end, device=device)
-            write_index[i, :end - first] = torch.arange(first, end, device=device)
+            # The extra position before the block (Dream) is only a query: its cached key/value
+            # stay from the last full forward, as every other position outside the fed span.
+            write_index[i, self._shift:end - first] = torch.arange(first + self._shift, end, device=device)
         at = self._logits_positions(rows, width, [first for first, _ in spans])
         return model(ids, position_ids=positions, cache=CacheWrite(store, write_index), logits_at=at)
 
@@ -369,6 +371,11 @@ class BlockDiffusionRunner:
             forced = torch.where(is_cai[:, None], cai.forced, forced)
             low_yield = torch.where(is_cai, cai.low_yield, low_yield)
             grinding = is_cai & cai.grinding_exit
+        first_only = batch.commit_first & (step == 0)
+        if bool(first_only.any()):
+            first = torch.zeros_like(candidates)
+            first[:, 0] = True
+            commit = torch.where(first_only[:, None], first & candidates, commit)
         return commit, forced, low_yield, grinding
 
     def _summarize(self, rows: list[_Row], new_tokens: torch.Tensor, candidates: torch.Tensor, commit: torch.Tensor,
@@ -400,6 +407,7 @@ class _BatchParams:
     top_k: torch.Tensor
     top_p: torch.Tensor
     threshold: torch.Tensor
+    commit_first: torch.Tensor
     steps_per_block: torch.Tensor
     num_blocks: torch.Tensor
     block_length: torch.Tensor
@@ -442,6 +450,7 @@ class _BatchParams:
             top_k=col((p.top_k or 0 for p in params), torch.long),
             top_p=col(p.top_p if p.top_p is not None else 1.0 for p in params),
             threshold=col(p.threshold for p in params),
+            commit_first=col((p.commit_first_at_block_start for p in params), torch.bool),
             steps_per_block=col((r.steps_per_block for r in rows), torch.long),
             num_blocks=col((r.num_blocks for r in rows), torch.long),
             block_length=block_length,
