@@ -28,8 +28,14 @@ import torch
 from engine.decoding import policies as P
 from engine.decoding.params import DecodeParams, resolve_defaults
 from engine.decoding.sampling import CONF_MARGIN, CONF_NEG_ENTROPY, CONF_PROB, confidence, filter_top_k_top_p, predict
-from engine.decoding.types import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, GenerationRequest, GenerationResult,
-                                   RequestStats)
+from engine.decoding.types import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerationRequest,
+    GenerationResult,
+    RequestStats,
+)
 from engine.models.kv_cache import CacheWrite, KVStore
 from engine.models.transformer import DiffusionTransformer
 

@@ -1,0 +1,190 @@
+"""The batched runner: heterogeneous rows, join/leave, caches, early exit, sampling, telemetry."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine import load_model
+from engine.decoding import (BlockDiffusionRunner, DecodeParamError, DecodeParams, GenerationRequest, RequestError,
+                             generate)
+
+
+def _prompts(n: int = 8, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 245, (length,), generator=gen).tolist() for length in (3, 8, 5, 12, 7, 4, 9, 6)[:n]]
+
+
+def _heterogeneous(cache: str) -> list[DecodeParams]:
+    return [
+        DecodeParams(policy="fixed", gen_length=32, block_length=8, steps=16, cache=cache),
+        DecodeParams(policy="threshold", gen_length=16, block_length=8, threshold=0.7, cache=cache),
+        DecodeParams(policy="cai", gen_length=32, block_length=8, cache=cache),
+        DecodeParams(policy="cai", gen_length=64, block_length=16, gating=False, cache=cache, refresh_interval=4),
+        DecodeParams(policy="cai", gen_length=24, block_length=4, theta_e=0.5, cache=cache),
+        DecodeParams(policy="fixed", gen_length=16, block_length=16, steps=8, cache=cache),
+        DecodeParams(policy="dream-entropy", gen_length=32, block_length=8, steps=32, cache=cache),
+        DecodeParams(policy="threshold", gen_length=40, block_length=8, threshold=0.5, cache=cache),
+    ]
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("max_batch", [8, 3])
+def test_heterogeneous_batch_equals_each_row_alone(llada_model, cache, max_batch):
+    """8 rows with different prompt/generation/block lengths, policies and knobs; with max_batch=3
+    rows join and leave between steps. Each row gets exactly the tokens it gets alone."""
+    prompts, params = _prompts(), _heterogeneous(cache)
+    batched = generate(llada_model, prompts, params, max_batch=max_batch)
+    for prompt, p, result in zip(prompts, params, batched, strict=True):
+        [alone] = generate(llada_model, [prompt], p)
+        assert result.generated_ids == alone.generated_ids
+        assert result.stats.nfe == alone.stats.nfe
+
+
+def test_dream_heterogeneous_batch_with_caches(dream_model):
+    prompts = _prompts(4, seed=1)
+    params = [DecodeParams(policy="dream-entropy", gen_length=32, block_length=8, steps=32, cache="dual"),
+              DecodeParams(policy="cai", gen_length=32, block_length=8, cache="prefix"),
+              DecodeParams(policy="threshold", gen_length=16, block_length=8, cache="dual", threshold=0.6),
+              DecodeParams(policy="dream-maskgit_plus", gen_length=16, steps=8)]
+    batched = generate(dream_model, prompts, params)
+    for prompt, p, result in zip(prompts, params, batched, strict=True):
+        assert result.generated_ids == generate(dream_model, [prompt], p)[0].generated_ids
+
+
+def test_rows_join_between_steps(llada_model):
+    runner = BlockDiffusionRunner(llada_model, max_batch=4)
+    prompts = _prompts(3)
+    params = DecodeParams(policy="cai", gen_length=32, block_length=8)
+    runner.add(GenerationRequest(tuple(prompts[0]), params, "a"))
+    results = {}
+    for _ in range(3):
+        results.update({r.request_id: r for r in runner.step()})
+    runner.add(GenerationRequest(tuple(prompts[1]), params, "b"))
+    runner.step()
+    runner.add(GenerationRequest(tuple(prompts[2]), params, "c"))
+    while runner.num_active:
+        results.update({r.request_id: r for r in runner.step()})
+    for key, prompt in zip("abc", prompts, strict=True):
+        assert results[key].generated_ids == generate(llada_model, [prompt], params)[0].generated_ids
+
+
+def test_abort_frees_the_row(llada_model):
+    runner = BlockDiffusionRunner(llada_model, max_batch=2)
+    params = DecodeParams(policy="fixed", gen_length=32, block_length=8, steps=32)
+    runner.add(GenerationRequest((1, 2, 3), params, "x"))
+    runner.add(GenerationRequest((4, 5, 6), params, "y"))
+    assert not runner.has_capacity
+    runner.step()
+    aborted = runner.abort("x")
+    assert aborted is not None and aborted.finish_reason == "abort"
+    assert runner.num_active == 1 and runner.has_capacity
+    assert runner.abort("nope") is None
+
+
+@pytest.fixture(scope="module")
+def llada_eos_common(tmp_path_factory, fixtures):
+    """The tiny LLaDA with token 108 (one it generates often) declared as eos, so rows end early."""
+    path = tmp_path_factory.mktemp("llada-eos") / "llada"
+    shutil.copytree(fixtures / "llada_tiny", path)
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 252, "eos_token_id": 108}))
+    return load_model(path)
+
+
+@pytest.mark.parametrize("policy", ["fixed", "threshold", "cai"])
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_early_exit_is_lossless_and_saves_forwards(llada_eos_common, policy, cache):
+    prompts = _prompts()
+    base = DecodeParams(policy=policy, gen_length=64, block_length=8, steps=64, cache=cache)
+    with_exit = generate(llada_eos_common, prompts, base)
+    without = generate(llada_eos_common, prompts, base.with_overrides(early_exit=False))
+    saved = 0
+    for a, b in zip(with_exit, without, strict=True):
+        if a.end_index is None:
+            assert a.generated_ids == b.generated_ids
+            continue
+        assert a.finish_reason == "stop" and a.generated_ids[-1] == 108
+        assert b.generated_ids[:len(a.generated_ids)] == a.generated_ids
+        assert a.stats.nfe <= b.stats.nfe
+        saved += b.stats.nfe - a.stats.nfe
+        # blocks skipped by early exit count as saved steps
+        assert a.stats.steps_saved == a.stats.fixed_step_budget - sum(a.stats.steps_per_block)
+    assert saved > 0
+    assert any(r.end_index is not None for r in with_exit)
+
+
+def test_temperature_sampling_is_seeded_and_batch_independent(llada_model):
+    prompts = _prompts(4)
+    params = [DecodeParams(policy="cai", gen_length=16, block_length=8, temperature=1.0, seed=s) for s in range(4)]
+    first = generate(llada_model, prompts, params)
+    again = generate(llada_model, prompts, params)
+    alone = [generate(llada_model, [p], [q])[0] for p, q in zip(prompts, params, strict=True)]
+    assert [r.generated_ids for r in first] == [r.generated_ids for r in again] == [r.generated_ids for r in alone]
+    greedy = generate(llada_model, prompts, DecodeParams(policy="cai", gen_length=16, block_length=8))
+    assert [r.generated_ids for r in first] != [r.generated_ids for r in greedy]
+    other_seed = generate(llada_model, prompts[:1], params[1])
+    assert other_seed[0].generated_ids != first[0].generated_ids
+
+
+def test_telemetry(llada_model):
+    [result] = generate(llada_model, [_prompts(1)[0]], DecodeParams(policy="cai", gen_length=32, block_length=8,
+                                                                     steps=32, early_exit=False))
+    stats = result.stats
+    assert len(stats.steps_per_block) == 4
+    assert stats.nfe == sum(stats.steps_per_block) == len(stats.tokens_per_step)
+    assert sum(stats.tokens_per_step) == 32
+    assert stats.fixed_step_budget == 32 and stats.steps_saved == 32 - stats.nfe
+    # every token of every block is masked at its block's first step
+    assert sum(stats.first_step_confidence_bands) == 32
+    assert stats.wall_time > 0
+    assert set(stats.as_dict()) >= {"nfe", "steps_saved", "forced_commits", "grinding_exits"}
+
+
+def test_cai_saves_steps_against_fixed(llada_model):
+    prompts = _prompts()
+    fixed = generate(llada_model, prompts, DecodeParams(policy="fixed", gen_length=32, block_length=8, steps=32))
+    cai = generate(llada_model, prompts, DecodeParams(policy="cai", gen_length=32, block_length=8, steps=32))
+    assert sum(r.stats.nfe for r in cai) < sum(r.stats.nfe for r in fixed)
+
+
+def test_request_validation(llada_model):
+    runner = BlockDiffusionRunner(llada_model)
+    with pytest.raises(RequestError, match="empty"):
+        runner.add(GenerationRequest((), DecodeParams()))
+    with pytest.raises(RequestError, match="vocabulary"):
+        runner.add(GenerationRequest((1, 999), DecodeParams()))
+    with pytest.raises(RequestError, match="context"):
+        runner.add(GenerationRequest((1,), DecodeParams(gen_length=8192, block_length=64)))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("policy", "nope"), ("gen_length", 0), ("block_length", 7), ("steps", 3), ("theta_s", 1.5),
+    ("temperature", -1.0), ("cache", "disk"), ("warmup", 1.0), ("patience", 0), ("top_p", 0.0),
+    ("eta", float("nan")), ("gating", "yes"), ("min_commit", 2),
+])
+def test_decode_params_errors_name_the_parameter(field, value):
+    with pytest.raises(DecodeParamError) as err:
+        DecodeParams(**{"gen_length": 32, "block_length": 8, field: value})
+    assert err.value.param == field
+
+
+def test_cfg_requires_no_cache():
+    with pytest.raises(DecodeParamError, match="cfg_scale"):
+        DecodeParams(cfg_scale=1.0, cache="dual")
+
+
+def test_unknown_parameter_is_named():
+    with pytest.raises(DecodeParamError) as err:
+        DecodeParams.from_dict({"policy": "cai", "thresh": 0.5})
+    assert err.value.param == "thresh"
+
+
+def test_gating_default_comes_from_the_model(llada_model, dream_model):
+    from engine.decoding.params import resolve_defaults
+
+    assert resolve_defaults(DecodeParams(), llada_model.config.architecture).gating is True
+    assert resolve_defaults(DecodeParams(), dream_model.config.architecture).gating is False
+    assert resolve_defaults(DecodeParams(gating=True), dream_model.config.architecture).gating is True
