@@ -47,3 +47,62 @@ def test_inspect_bad_path_is_a_clear_error(tmp_path, target):
     out = _run("inspect", str(path))
     assert out.returncode == 2
     assert "error:" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_generate_json_reproduces_llada_golden(fixtures):
+    golden = json.loads((fixtures / "golden" / "llada_generate_b1_steps16.json").read_text())
+    ids = ",".join(map(str, golden["prompt_ids"][0]))
+    out = _run("generate", "--model", str(fixtures / "llada_tiny"), "--prompt-ids", ids, "--prompt-ids", "1,2,3",
+               "--policy", "fixed", "--gen-length", "32", "--block-length", "8", "--steps", "16",
+               "--no-early-exit", "--json")
+    assert out.returncode == 0, out.stderr
+    records = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(records) == 2
+    assert records[0]["generated_ids"] == golden["generated_ids"][0]
+    assert records[0]["nfe"] == 16 and records[0]["steps_per_block"] == [4, 4, 4, 4]
+    assert {"text", "finish_reason", "steps_saved"} <= set(records[0])
+
+
+def _char_tokenizer_checkpoint(fixtures: Path, dest: Path) -> None:
+    """The tiny LLaDA with a character-level tokenizer and a chat template, for text prompts."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    shutil.copytree(fixtures / "llada_tiny", dest)
+    vocab = {chr(c): c - 32 for c in range(32, 127)}
+    specials = {"<|mask|>": 250, "<|eos|>": 251, "<|user|>": 252, "<|assistant|>": 253}
+    vocab.update(specials)
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=" "))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_special_tokens(list(specials))
+    tokenizer.save(str(dest / "tokenizer.json"))
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|eos|>{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (dest / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|eos|>", "mask_token": "<|mask|>",
+        "chat_template": template,
+        "added_tokens_decoder": {str(i): {"content": c, "special": True} for c, i in specials.items()}}))
+
+
+def test_generate_text_and_chat_prompts(fixtures, tmp_path):
+    _char_tokenizer_checkpoint(fixtures, tmp_path / "m")
+    out = _run("generate", "--model", str(tmp_path / "m"), "--prompt", "hello", "--prompt", "2+2=",
+               "--chat", "--gen-length", "16", "--block-length", "8", "--json")
+    assert out.returncode == 0, out.stderr
+    records = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["prompt_ids"][0] for r in records] == [252, 252]  # the chat template's user tag
+    assert all(isinstance(r["text"], str) for r in records)
+    plain = _run("generate", "--model", str(tmp_path / "m"), "--prompt", "hi", "--gen-length", "8")
+    assert plain.returncode == 0, plain.stderr
+    assert "NFE" in plain.stdout
+
+
+def test_generate_bad_knob_names_it(fixtures):
+    out = _run("generate", "--model", str(fixtures / "llada_tiny"), "--prompt-ids", "1,2", "--theta-s", "2")
+    assert out.returncode == 2
+    assert "theta_s" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_generate_text_without_tokenizer_is_an_error(fixtures):
+    out = _run("generate", "--model", str(fixtures / "llada_tiny"), "--prompt", "hello")
+    assert out.returncode == 2 and "tokenizer" in out.stderr

@@ -9,8 +9,14 @@ import pytest
 import torch
 
 from engine import load_model
-from engine.decoding import (BlockDiffusionRunner, DecodeParamError, DecodeParams, GenerationRequest, RequestError,
-                             generate)
+from engine.decoding import (
+    BlockDiffusionRunner,
+    DecodeParamError,
+    DecodeParams,
+    GenerationRequest,
+    RequestError,
+    generate,
+)
 
 
 def _prompts(n: int = 8, seed: int = 0) -> list[list[int]]:

@@ -140,6 +140,17 @@ class DecodeParams:
         return cls(**values)
 
 
+def field_types() -> dict[str, tuple[type, bool]]:
+    """name -> (scalar type, may be None) for every decode parameter, for CLIs and schemas."""
+    scalar = {"int": int, "float": float, "str": str, "bool": bool}
+    out: dict[str, tuple[type, bool]] = {}
+    for f in fields(DecodeParams):
+        text = str(f.type)
+        optional = text.startswith("Optional[")
+        out[f.name] = (scalar[text.removeprefix("Optional[").removesuffix("]")], optional)
+    return out
+
+
 def resolve_defaults(params: DecodeParams, architecture: str) -> DecodeParams:
     """Fill the fields whose default depends on the model (paper: gating on for LLaDA, off for Dream)."""
     updates: dict[str, Any] = {}

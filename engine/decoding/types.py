@@ -60,3 +60,9 @@ class GenerationResult:
     finish_reason: str
     stats: RequestStats
     end_index: Optional[int] = None  # index in generated_ids of the first end token, if any
+    text: Optional[str] = None  # the response text (up to the end token), when a tokenizer was given
+
+    @property
+    def response_ids(self) -> list[int]:
+        """The generated ids before the first end token: what the text is made of."""
+        return self.generated_ids if self.end_index is None else self.generated_ids[:self.end_index]
