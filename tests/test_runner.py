@@ -194,3 +194,15 @@ def test_gating_default_comes_from_the_model(llada_model, dream_model):
     assert resolve_defaults(DecodeParams(), llada_model.config.architecture).gating is True
     assert resolve_defaults(DecodeParams(), dream_model.config.architecture).gating is False
     assert resolve_defaults(DecodeParams(gating=True), dream_model.config.architecture).gating is True
+
+
+def test_engine_facade(fixtures):
+    from engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(model=str(fixtures / "dream_tiny"), max_batch=2))
+    assert engine.tokenizer is None and engine.architecture == "dream"
+    assert engine.default_params().gating is False
+    results = engine.generate([[1, 2, 3], [4, 5], [6]], DecodeParams(gen_length=8, policy="threshold"))
+    assert [len(r.generated_ids) <= 8 for r in results] == [True] * 3
+    with pytest.raises(ValueError, match="max_batch"):
+        EngineConfig(model="x", max_batch=0)

@@ -1,0 +1,23 @@
+"""Engine-wide settings, fixed at start-up (per-request knobs are `DecodeParams`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from engine.devices import DTYPE_NAMES
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # local checkpoint directory
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_batch: int = 8  # rows decoded together in one step
+    use_flash_attn: Optional[bool] = None  # None: when installed and usable
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
+            raise ValueError(f"max_batch must be a positive integer, got {self.max_batch!r}")
+        if self.dtype.lower() not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {self.dtype!r}")
