@@ -83,6 +83,57 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from engine.builtin.train import TrainConfig, train
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = TrainConfig(arch=args.arch, d_model=args.d_model, layers=args.layers, heads=args.heads,
+                         mlp_hidden=args.mlp_hidden, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
+                         warmup=args.warmup, seed=args.seed)
+    log = train(config, Path(args.out), resume=args.resume, max_minutes=args.max_minutes)
+    last = log["losses"][-1][1] if log["losses"] else float("nan")
+    print(f"trained {log['step']} steps in {log['seconds'] / 60:.1f} min; final loss {last:.4f}; saved to {args.out}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from engine import Engine, EngineConfig
+    from engine.builtin.evaluate import EvalConfig, default_configs, evaluate, format_table, hardware, held_out_problems
+    from engine.errors import CheckpointError, DeviceError
+
+    try:
+        engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                                     max_batch=args.batch_size))
+    except (CheckpointError, DeviceError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    configs = default_configs(engine.architecture, args.gen_length, args.block_length)
+    if args.configs:
+        wanted = [c.strip() for c in args.configs.split(";") if c.strip()]
+        by_name = {c.name: c for c in configs}
+        unknown = [w for w in wanted if w not in by_name and not w.startswith("{")]
+        if unknown:
+            print(f"error: unknown configuration {unknown[0]!r}; known: {'; '.join(by_name)}", file=sys.stderr)
+            return 2
+        configs = [by_name[w] if w in by_name else EvalConfig(w, json.loads(w)) for w in wanted]
+    problems = held_out_problems(args.n, args.seed)
+    print(f"# {args.n} held-out problems (seed {args.seed}) on {hardware()}, model {args.model}", flush=True)
+    reports = evaluate(engine, problems, configs, batch_size=args.batch_size,
+                       progress=lambda r: print(f"  {r.name}: {100 * r.correct / max(1, r.n):.1f}% in "
+                                                f"{r.seconds:.1f}s", file=sys.stderr, flush=True))
+    print(format_table(reports))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "n": args.n, "seed": args.seed, "hardware": hardware(),
+                       "batch_size": args.batch_size, "configs": [r.as_dict() for r in reports]}, f, indent=1)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cai-dllm", description="Convergence-aware inference server "
                                      "for masked diffusion language models (LLaDA, Dream).")
@@ -104,6 +155,36 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object per request")
     _add_decode_flags(gen)
     gen.set_defaults(func=_generate)
+
+    ev = sub.add_parser("eval", help="compare decoding configurations on held-out built-in task problems")
+    ev.add_argument("--model", required=True, help="a built-in model directory (models/llada-tiny, ...)")
+    ev.add_argument("--n", type=int, default=200, help="held-out problems")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--batch-size", type=int, default=8)
+    ev.add_argument("--configs", help="';'-separated configuration names, or JSON objects of decoding knobs")
+    ev.add_argument("--gen-length", type=int, default=128)
+    ev.add_argument("--block-length", type=int, default=32)
+    ev.add_argument("--device", default="cpu")
+    ev.add_argument("--dtype", default="float32")
+    ev.add_argument("--json", help="also write the full report to this file")
+    ev.set_defaults(func=_eval)
+
+    tr = sub.add_parser("train", help="train a built-in tiny model on the task family (CPU)")
+    tr.add_argument("--arch", choices=("llada", "dream"), default="llada")
+    tr.add_argument("--out", required=True)
+    tr.add_argument("--d-model", type=int, default=128)
+    tr.add_argument("--layers", type=int, default=4)
+    tr.add_argument("--heads", type=int, default=4)
+    tr.add_argument("--mlp-hidden", type=int, default=384)
+    tr.add_argument("--batch-size", type=int, default=32)
+    tr.add_argument("--steps", type=int, default=4000)
+    tr.add_argument("--lr", type=float, default=1e-3)
+    tr.add_argument("--warmup", type=int, default=200)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--threads", type=int)
+    tr.add_argument("--max-minutes", type=float, help="stop (and save) after this long")
+    tr.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
+    tr.set_defaults(func=_train)
     return parser
 
 

@@ -1,0 +1,174 @@
+"""`cai-dllm eval`: every decoding configuration on the same held-out problems, side by side.
+
+For each configuration: exact-match accuracy with a 95 % Wilson interval, accuracy by task kind,
+responses that do not parse, mean NFE per request, NFE per generated token, NFE excluding blocks
+that are all end tokens, steps saved against the fixed budget, and generated tokens per second
+(wall clock; generated tokens only: the response up to and including its end token).
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from engine.builtin.tasks import Problem, answer_of, sample
+from engine.chat import chat_prompt_ids
+from engine.decoding import DecodeParams, GenerationResult, generate
+from engine.decoding.params import resolve_defaults
+from engine.engine import Engine
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    name: str
+    params: dict[str, Any]
+
+
+def default_configs(architecture: str, gen_length: int = 128, block_length: int = 32) -> list[EvalConfig]:
+    """The paper's comparison and ablation rows, on the built-in canvas."""
+    base = {"gen_length": gen_length, "block_length": block_length, "steps": gen_length}
+    refresh = 16 if architecture == "llada" else 8
+    cai = {**base, "policy": "cai", "cache": "dual", "refresh_interval": refresh}
+    rows = [
+        EvalConfig("fixed", {**base, "policy": "fixed", "early_exit": False}),
+        EvalConfig("fixed+exit", {**base, "policy": "fixed"}),
+        EvalConfig("fixed dual", {**base, "policy": "fixed", "cache": "dual", "refresh_interval": refresh}),
+        EvalConfig("threshold 0.9", {**base, "policy": "threshold", "threshold": 0.9, "early_exit": False}),
+        EvalConfig("threshold 0.9 dual (Fast-dLLM)", {**base, "policy": "threshold", "threshold": 0.9,
+                                                       "cache": "dual", "early_exit": False}),
+        EvalConfig("threshold 0.9 dual+exit", {**base, "policy": "threshold", "threshold": 0.9, "cache": "dual"}),
+        EvalConfig("CAI +APD", {**cai, "block_schedule": False, "position_factors": False, "gating": False}),
+        EvalConfig("CAI +APD+Block", {**cai, "position_factors": False, "gating": False}),
+        EvalConfig("CAI +APD+Block+Budget", {**cai, "gating": True}),
+        EvalConfig("CAI full, gate on", {**cai, "gating": True, "early_exit": False}),
+        EvalConfig("CAI full, gate on +exit", {**cai, "gating": True}),
+        EvalConfig("CAI full, gate off +exit", {**cai, "gating": False}),
+    ]
+    return rows
+
+
+def wilson_interval(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
+    if total == 0:
+        return (0.0, 0.0)
+    p = correct / total
+    denom = 1 + z * z / total
+    centre = (p + z * z / (2 * total)) / denom
+    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / denom
+    return (centre - half, centre + half)
+
+
+@dataclass
+class ConfigReport:
+    name: str
+    params: dict[str, Any]
+    n: int = 0
+    correct: int = 0
+    unparsed: int = 0
+    by_kind: dict[str, list[int]] = field(default_factory=dict)  # kind -> [correct, total]
+    nfe: int = 0
+    nfe_content: int = 0  # forwards spent on blocks that hold at least one non-end token
+    generated_tokens: int = 0
+    steps_saved: int = 0
+    fixed_budget: int = 0
+    forced: int = 0
+    grinding_exits: int = 0
+    bands: list[int] = field(default_factory=lambda: [0, 0, 0])
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        low, high = wilson_interval(self.correct, self.n)
+        return {
+            "name": self.name, "params": self.params, "n": self.n, "accuracy": self.correct / max(1, self.n),
+            "accuracy_95ci": [low, high], "unparsed": self.unparsed,
+            "accuracy_by_kind": {k: c / t for k, (c, t) in sorted(self.by_kind.items())},
+            "nfe_per_request": self.nfe / max(1, self.n),
+            "nfe_per_request_content_blocks": self.nfe_content / max(1, self.n),
+            "nfe_per_generated_token": self.nfe / max(1, self.generated_tokens),
+            "steps_saved_pct": 100 * self.steps_saved / max(1, self.fixed_budget),
+            "generated_tokens_per_s": self.generated_tokens / max(1e-9, self.seconds),
+            "forced_commits_per_request": self.forced / max(1, self.n),
+            "grinding_exits_per_request": self.grinding_exits / max(1, self.n),
+            "first_step_confidence_bands": self.bands, "seconds": self.seconds,
+        }
+
+
+def _content_nfe(result: GenerationResult, end_ids: Sequence[int], block_length: int) -> int:
+    """Forwards spent on blocks that are not entirely end tokens (early exit makes the difference)."""
+    ids = result.generated_ids
+    total = 0
+    for b, steps in enumerate(result.stats.steps_per_block):
+        block = ids[b * block_length:(b + 1) * block_length]
+        if block and not all(t in end_ids for t in block):
+            total += steps
+    return total
+
+
+def evaluate(engine: Engine, problems: Sequence[Problem], configs: Sequence[EvalConfig], batch_size: int = 8,
+             progress: Optional[Any] = None) -> list[ConfigReport]:
+    if engine.tokenizer is None:
+        raise ValueError("evaluation needs the checkpoint's tokenizer")
+    prompts = [chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": p.prompt}]) for p in problems]
+    end_ids = engine.model.special.end_ids
+    reports = []
+    for config in configs:
+        params = resolve_defaults(DecodeParams.from_dict(config.params), engine.architecture)
+        report = ConfigReport(config.name, config.params)
+        # one warm-up request so first-call allocations are not timed
+        generate(engine.model, prompts[:1], params, max_batch=batch_size)
+        start = time.perf_counter()
+        results = generate(engine.model, prompts, params, max_batch=batch_size, tokenizer=engine.tokenizer)
+        report.seconds = time.perf_counter() - start
+        for problem, result in zip(problems, results, strict=True):
+            answer = answer_of(problem.kind, result.text or "")
+            ok = answer is not None and answer == problem.answer
+            report.n += 1
+            report.correct += ok
+            report.unparsed += answer is None
+            kind = report.by_kind.setdefault(problem.kind, [0, 0])
+            kind[0] += ok
+            kind[1] += 1
+            stats = result.stats
+            report.nfe += stats.nfe
+            report.nfe_content += _content_nfe(result, end_ids, params.effective_block_length)
+            generated = result.response_ids if result.end_index is None else result.generated_ids[:result.end_index + 1]
+            report.generated_tokens += len(generated)
+            report.steps_saved += stats.steps_saved
+            report.fixed_budget += stats.fixed_step_budget
+            report.forced += stats.forced_commits
+            report.grinding_exits += stats.grinding_exits
+            for i, count in enumerate(stats.first_step_confidence_bands):
+                report.bands[i] += count
+        reports.append(report)
+        if progress is not None:
+            progress(report)
+    return reports
+
+
+def hardware() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def held_out_problems(n: int, seed: int) -> list[Problem]:
+    return sample(n, seed, split="eval")
+
+
+def format_table(reports: Sequence[ConfigReport]) -> str:
+    header = (f"| {'configuration':32s} | accuracy (95% CI) | NFE/req | NFE/req content | NFE/token | "
+              f"steps saved | tok/s | unparsed |")
+    lines = [header, "|" + "---|" * 8]
+    for r in reports:
+        d = r.as_dict()
+        low, high = d["accuracy_95ci"]
+        lines.append(f"| {r.name:32s} | {100 * d['accuracy']:5.1f}% ({100 * low:.1f}–{100 * high:.1f}) | "
+                     f"{d['nfe_per_request']:7.1f} | {d['nfe_per_request_content_blocks']:15.1f} | "
+                     f"{d['nfe_per_generated_token']:9.3f} | {d['steps_saved_pct']:10.1f}% | "
+                     f"{d['generated_tokens_per_s']:5.0f} | {r.unparsed:8d} |")
+    return "\n".join(lines)

@@ -1,0 +1,203 @@
+"""Training the built-in tiny models on the task family, on CPU, with LLaDA's objective.
+
+Each example is the chat-templated instruction followed by a `gen_length` canvas: the reference
+response, then end tokens to the end of the canvas (as the Instruct models are trained). A mask
+ratio t ~ U(eps, 1) is drawn per example, each canvas position is masked with probability t, and
+the loss is the cross-entropy on the masked positions weighted by 1/t (LLaDA's SFT objective),
+normalised by the canvas length. Dream-format models are trained with Dream's shift: the output
+at position i-1 predicts token i.
+
+Reproducible (seeded; the examples of step s depend only on the seed and s), resumable (a training
+state is saved every `checkpoint_every` steps and on interrupt), with a progress bar showing the loss.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from engine.builtin import char_tokenizer as chars
+from engine.builtin.formats import dream_config, generation_config, llada_config, save_checkpoint
+from engine.builtin.tasks import DEFAULT_MIX, Problem, problems
+from engine.models.dream import DreamModel
+from engine.models.llada import LLaDAModel
+from engine.models.transformer import DiffusionTransformer
+from engine.special_tokens import SpecialTokens
+
+_MIN_MASK_RATIO = 1e-3  # LLaDA's eps: t is never 0, so 1/t stays finite
+_STATE_FILE = "train_state.pt"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    arch: str = "llada"  # "llada" or "dream"
+    d_model: int = 128
+    layers: int = 4
+    heads: int = 4
+    kv_heads: Optional[int] = None  # Dream: grouped KV heads (default heads // 2)
+    mlp_hidden: int = 384
+    gen_length: int = 128
+    batch_size: int = 32
+    steps: int = 4000
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 200
+    weight_decay: float = 0.01
+    seed: int = 0
+    checkpoint_every: int = 250
+    mix: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_MIX))
+
+    def __post_init__(self) -> None:
+        if self.arch not in ("llada", "dream"):
+            raise ValueError(f"arch must be llada or dream, got {self.arch!r}")
+
+
+def hf_config_for(config: TrainConfig) -> dict[str, Any]:
+    vocab = len(chars.vocabulary())
+    mask_id, end_id = chars.special_id(chars.MASK), chars.special_id(chars.END)
+    if config.arch == "llada":
+        # embedding_size rounded up past the tokenizer's vocabulary, as the real LLaDA does
+        return llada_config(config.d_model, config.layers, config.heads, config.mlp_hidden, vocab,
+                            embedding_size=-(-vocab // 64) * 64, mask_id=mask_id, eos_id=end_id)
+    return dream_config(config.d_model, config.layers, config.heads, config.kv_heads or max(1, config.heads // 2),
+                        config.mlp_hidden, vocab, mask_id=mask_id, eos_id=end_id)
+
+
+def build_model(config: TrainConfig) -> tuple[DiffusionTransformer, dict[str, Any]]:
+    hf = hf_config_for(config)
+    cls = LLaDAModel if config.arch == "llada" else DreamModel
+    end_id = chars.special_id(chars.END)
+    special = SpecialTokens(mask_id=chars.special_id(chars.MASK), eos_ids=(end_id,), pad_id=end_id)
+    torch.manual_seed(config.seed)
+    model = cls(cls.parse_config(hf), special, hf)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            torch.nn.init.ones_(param)
+        elif name.endswith("bias"):
+            torch.nn.init.zeros_(param)
+        else:
+            torch.nn.init.normal_(param, std=0.02)
+    return model, hf
+
+
+def encode_examples(batch: list[Problem], gen_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [B, P + gen_length] (prompts left-padded), attention mask, and the canvas mask
+    (True on the gen_length positions the loss is taken over)."""
+    tokenizer = chars.build_tokenizer()
+    end_id = chars.special_id(chars.END)
+    prompts = [e.ids for e in tokenizer.encode_batch([chars.render_user_prompt(p.prompt) for p in batch],
+                                                     add_special_tokens=False)]
+    responses = [e.ids for e in tokenizer.encode_batch([p.response for p in batch], add_special_tokens=False)]
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(batch), width + gen_length), end_id, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for i, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
+        if len(response) >= gen_length:
+            raise ValueError(f"response of {len(response)} tokens does not fit a {gen_length}-token canvas")
+        ids[i, width - len(prompt):width] = torch.tensor(prompt)
+        ids[i, width:width + len(response)] = torch.tensor(response)  # the rest stays end-token fill
+        attention[i, width - len(prompt):] = 1
+    canvas = torch.zeros_like(ids, dtype=torch.bool)
+    canvas[:, width:] = True
+    return ids, attention, canvas
+
+
+def masked_diffusion_loss(model: DiffusionTransformer, ids: torch.Tensor, attention: torch.Tensor,
+                          canvas: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    batch = ids.shape[0]
+    t = _MIN_MASK_RATIO + (1 - _MIN_MASK_RATIO) * torch.rand(batch, 1, generator=generator)
+    masked = canvas & (torch.rand(ids.shape, generator=generator) < t)
+    noisy = ids.masked_fill(masked, model.special.mask_id)
+    logits = model(noisy, attention_mask=attention)
+    if model.logits_shifted:  # Dream: output i-1 predicts token i
+        logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+    token_loss = F.cross_entropy(logits.float().transpose(1, 2), ids, reduction="none")
+    weighted = (token_loss * masked / t).sum(dim=1) / canvas.sum(dim=1)
+    return weighted.mean()
+
+
+def learning_rate(config: TrainConfig, step: int) -> float:
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
+    floor = config.lr * config.min_lr_ratio
+    return floor + (config.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def step_examples(config: TrainConfig, step: int) -> list[Problem]:
+    stream = problems(seed=config.seed * 1_000_003 + step, split="train", mix=config.mix)
+    return [next(stream) for _ in range(config.batch_size)]
+
+
+def train(config: TrainConfig, out: Path, resume: bool = False, max_minutes: Optional[float] = None,
+          progress: bool = True, stop_at: Optional[int] = None) -> dict[str, Any]:
+    """Train, save the checkpoint (official format + tokenizer) to `out`, return the training log.
+
+    `max_minutes` / `stop_at` end the run early (after that long / that many steps) with the
+    training state saved, so `resume=True` continues it exactly."""
+    out.mkdir(parents=True, exist_ok=True)
+    model, hf = build_model(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95),
+                                  weight_decay=config.weight_decay)
+    log: dict[str, Any] = {"config": asdict(config), "losses": [], "seconds": 0.0, "step": 0}
+    state_path = out / _STATE_FILE
+    if resume and state_path.exists():
+        state = torch.load(state_path, weights_only=False)
+        if state["log"]["config"] != asdict(config):
+            raise ValueError(f"{state_path} was written with another training config; start afresh without --resume")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        log = state["log"]
+    model.train()
+    started = time.perf_counter() - log["seconds"]
+    bar = tqdm(total=config.steps, initial=log["step"], disable=not progress, desc=f"train {config.arch}",
+               dynamic_ncols=True)
+    recent: list[float] = []
+
+    def save_state() -> None:
+        log["seconds"] = time.perf_counter() - started
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "log": log}, state_path)
+
+    try:
+        while log["step"] < config.steps:
+            step = log["step"]
+            out_of_time = max_minutes is not None and time.perf_counter() - started > 60 * max_minutes
+            if out_of_time or (stop_at is not None and step >= stop_at):
+                break
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(config, step)
+            ids, attention, canvas = encode_examples(step_examples(config, step), config.gen_length)
+            generator = torch.Generator().manual_seed(config.seed * 7919 + step)
+            loss = masked_diffusion_loss(model, ids, attention, canvas, generator)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            recent.append(loss.item())
+            log["step"] = step + 1
+            if len(recent) == 25 or log["step"] == config.steps:
+                log["losses"].append([log["step"], sum(recent) / len(recent)])
+                bar.set_postfix(loss=f"{log['losses'][-1][1]:.4f}")
+                recent = []
+            bar.update(1)
+            if log["step"] % config.checkpoint_every == 0:
+                save_state()
+    except KeyboardInterrupt:
+        save_state()
+        raise
+    bar.close()
+    save_state()
+    model.eval()
+    save_checkpoint(model, hf, generation_config(config.arch, chars.special_id(chars.END),
+                                                 chars.special_id(chars.MASK)), out)
+    chars.write_tokenizer_files(out)
+    (out / "training_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    return log
