@@ -134,6 +134,55 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import uvicorn
+
+    from server.app import create_app, drain
+    from server.settings import load_settings
+
+    flags = {name: getattr(args, name) for name in (
+        "model", "served_model_name", "host", "port", "device", "dtype", "max_batch", "max_queue", "max_model_len",
+        "max_n", "api_key", "request_timeout", "shutdown_timeout", "stall_timeout", "log_level")}
+    if args.default_decoding is not None:
+        try:
+            flags["default_decoding"] = json.loads(args.default_decoding)
+        except json.JSONDecodeError as err:
+            print(f"error: --default-decoding is not valid JSON: {err}", file=sys.stderr)
+            return 2
+    try:
+        settings = load_settings(flags)
+        from engine.decoding import DecodeParams
+
+        DecodeParams.from_dict(settings.default_decoding)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    app = create_app(settings)
+
+    class DrainingServer(uvicorn.Server):
+        """On SIGTERM/SIGINT: answer 503 to new work, finish what is in flight (up to
+        --shutdown-timeout), then exit 0."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:  # type: ignore[override]
+            if getattr(self, "_draining", False):
+                return super().handle_exit(sig, frame)
+            self._draining = True
+
+            async def finish() -> None:
+                await drain(app, settings.shutdown_timeout)
+                self.should_exit = True
+
+            asyncio.get_event_loop().call_soon_threadsafe(lambda: asyncio.ensure_future(finish()))
+
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            timeout_graceful_shutdown=settings.shutdown_timeout)
+    server = DrainingServer(config)
+    server.run()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cai-dllm", description="Convergence-aware inference server "
                                      "for masked diffusion language models (LLaDA, Dream).")
@@ -168,6 +217,26 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--dtype", default="float32")
     ev.add_argument("--json", help="also write the full report to this file")
     ev.set_defaults(func=_eval)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the bundled llada-tiny on CPU)",
+                        description="Every option can also be set as CAI_DLLM_<OPTION> in the environment.")
+    sv.add_argument("--model", help="local checkpoint directory (default: the bundled models/llada-tiny)")
+    sv.add_argument("--served-model-name", help="the model id clients send (default: the directory name)")
+    sv.add_argument("--host")
+    sv.add_argument("--port", type=int)
+    sv.add_argument("--device")
+    sv.add_argument("--dtype")
+    sv.add_argument("--max-batch", type=int, help="rows decoded together per step (default 8)")
+    sv.add_argument("--max-queue", type=int, help="requests waiting for a row before 429 (default 64)")
+    sv.add_argument("--max-model-len", type=int, help="prompt + canvas limit (default: the model's context)")
+    sv.add_argument("--max-n", type=int, help="completions per request, n x prompts (default 16)")
+    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    sv.add_argument("--default-decoding", help="JSON object of default decoding knobs, e.g. '{\"cache\": \"dual\"}'")
+    sv.add_argument("--request-timeout", type=float, help="seconds (default 600)")
+    sv.add_argument("--shutdown-timeout", type=float, help="seconds to finish in-flight work on SIGTERM (default 30)")
+    sv.add_argument("--stall-timeout", type=float, help="/health fails after this many seconds without progress")
+    sv.add_argument("--log-level")
+    sv.set_defaults(func=_serve)
 
     tr = sub.add_parser("train", help="train a built-in tiny model on the task family (CPU)")
     tr.add_argument("--arch", choices=("llada", "dream"), default="llada")

@@ -64,24 +64,11 @@ def test_generate_json_reproduces_llada_golden(fixtures):
 
 
 def _char_tokenizer_checkpoint(fixtures: Path, dest: Path) -> None:
-    """The tiny LLaDA with a character-level tokenizer and a chat template, for text prompts."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """The tiny LLaDA fixture with the built-in character tokenizer and its chat template."""
+    from engine.builtin.char_tokenizer import write_tokenizer_files
 
     shutil.copytree(fixtures / "llada_tiny", dest)
-    vocab = {chr(c): c - 32 for c in range(32, 127)}
-    specials = {"<|mask|>": 250, "<|eos|>": 251, "<|user|>": 252, "<|assistant|>": 253}
-    vocab.update(specials)
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=" "))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tokenizer.decoder = decoders.Fuse()
-    tokenizer.add_special_tokens(list(specials))
-    tokenizer.save(str(dest / "tokenizer.json"))
-    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|eos|>{% endfor %}"
-                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    (dest / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|eos|>", "mask_token": "<|mask|>",
-        "chat_template": template,
-        "added_tokens_decoder": {str(i): {"content": c, "special": True} for c, i in specials.items()}}))
+    write_tokenizer_files(dest)
 
 
 def test_generate_text_and_chat_prompts(fixtures, tmp_path):
@@ -90,7 +77,9 @@ def test_generate_text_and_chat_prompts(fixtures, tmp_path):
                "--chat", "--gen-length", "16", "--block-length", "8", "--json")
     assert out.returncode == 0, out.stderr
     records = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [r["prompt_ids"][0] for r in records] == [252, 252]  # the chat template's user tag
+    from engine.builtin.char_tokenizer import USER, special_id
+
+    assert [r["prompt_ids"][0] for r in records] == [special_id(USER)] * 2  # the chat template's user tag
     assert all(isinstance(r["text"], str) for r in records)
     plain = _run("generate", "--model", str(tmp_path / "m"), "--prompt", "hi", "--gen-length", "8")
     assert plain.returncode == 0, plain.stderr

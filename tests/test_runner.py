@@ -206,3 +206,21 @@ def test_engine_facade(fixtures):
     assert [len(r.generated_ids) <= 8 for r in results] == [True] * 3
     with pytest.raises(ValueError, match="max_batch"):
         EngineConfig(model="x", max_batch=0)
+
+
+def test_stable_prefix_only_grows_and_ends_as_the_result(llada_model):
+    runner = BlockDiffusionRunner(llada_model)
+    runner.add(GenerationRequest((5, 6, 7), DecodeParams(policy="cai", gen_length=32, block_length=8), "s"))
+    seen: list[int] = []
+    result = None
+    while result is None:
+        finished = runner.step()
+        if finished:
+            [result] = finished
+            break
+        stable = runner.stable_ids("s")
+        assert stable[:len(seen)] == seen and llada_model.special.mask_id not in stable
+        seen = stable
+    assert result.generated_ids[:len(seen)] == seen
+    with pytest.raises(KeyError):
+        runner.stable_ids("s")

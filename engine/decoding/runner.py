@@ -76,6 +76,7 @@ class _Row:
             else:
                 self.generator.manual_seed(params.seed)
         self.kv: Optional[tuple[KVStore, int]] = None
+        self.stable_length = 0  # generated tokens that can no longer change (no mask before them)
         self.started = time.perf_counter()
         self.stats = RequestStats(fixed_step_budget=self.num_blocks * self.steps_per_block,
                                   queue_time=self.started - queued_at)
@@ -112,6 +113,9 @@ class BlockDiffusionRunner:
         special = model.special
         self._end_ids = torch.tensor(special.end_ids, device=model.device)
         self._shift = 1 if model.logits_shifted else 0
+        # tokens each row fed to the model in the last step: its share of the step's work
+        self.last_step_work: dict[str, int] = {}
+        self.rows_last_commits: dict[str, int] = {}  # tokens each row committed in the last step
 
     # ------------------------------------------------------------------------------ membership
 
@@ -147,6 +151,14 @@ class BlockDiffusionRunner:
         self.rows.append(_Row(request, params, self.model, queued_at or time.perf_counter()))
         return request.request_id
 
+    def stable_ids(self, request_id: str) -> list[int]:
+        """The generated tokens of an active request that are final: the longest committed prefix
+        with no mask before it (what a stream may send)."""
+        for row in self.rows:
+            if row.request.request_id == request_id:
+                return row.canvas[row.prompt_len:row.prompt_len + row.stable_length].tolist()
+        raise KeyError(request_id)
+
     def abort(self, request_id: str) -> Optional[GenerationResult]:
         for row in self.rows:
             if row.request.request_id == request_id:
@@ -166,6 +178,8 @@ class BlockDiffusionRunner:
         by_kind: dict[str, list[int]] = {}
         for i, row in enumerate(rows):
             by_kind.setdefault(row.forward_kind(), []).append(i)
+        self.last_step_work = {rows[i].request.request_id: self._fed_tokens(rows[i], kind)
+                               for kind, idx in by_kind.items() for i in idx}
         groups = [self._forward(kind, idx, width) for kind, idx in by_kind.items()]
         order = torch.tensor([i for g in groups for i in g.rows], device=self.model.device)
         logits = torch.cat([g.logits for g in groups]).float()
@@ -181,7 +195,9 @@ class BlockDiffusionRunner:
         new_tokens = torch.where(commit, x0, block_tokens)
         summary = self._summarize(rows, new_tokens, candidates, commit, forced, grinding, conf, batch)
         finished: list[GenerationResult] = []
-        for i, (row, info) in enumerate(zip(rows, summary.tolist(), strict=True)):
+        summary_rows = summary.tolist()
+        self.rows_last_commits = {row.request.request_id: info[0] for row, info in zip(rows, summary_rows, strict=True)}
+        for i, (row, info) in enumerate(zip(rows, summary_rows, strict=True)):
             start = row.block_start
             row.canvas[start:start + row.block_length] = new_tokens[i, :row.block_length]
             if row.step == 0:
@@ -196,8 +212,9 @@ class BlockDiffusionRunner:
         return finished
 
     def _advance(self, row: _Row, committed: int, remaining: int, n_forced: int, grinding: int, end_pos: int,
-                 band_high: int, band_mid: int, band_low: int) -> Optional[GenerationResult]:
+                 band_high: int, band_mid: int, band_low: int, first_masked: int) -> Optional[GenerationResult]:
         stats = row.stats
+        row.stable_length = row.block_start - row.prompt_len + first_masked
         stats.nfe += 1
         stats.tokens_per_step.append(committed)
         stats.forced_commits += n_forced
@@ -240,6 +257,13 @@ class BlockDiffusionRunner:
         if kind == _FULL:
             return _Group(indices, self._forward_full(rows, width))
         return _Group(indices, self._forward_cached(rows, width, through_end=kind == _PREFIX))
+
+    def _fed_tokens(self, row: _Row, kind: str) -> int:
+        if kind == _FULL:
+            return row.length * (2 if row.params.cfg_scale > 0 else 1)
+        if kind == _DUAL:
+            return row.block_length + self._shift
+        return row.length - row.block_start + self._shift
 
     def _logits_positions(self, rows: Sequence[_Row], width: int, offsets: Sequence[int]) -> torch.Tensor:
         """Input index whose output predicts each block position (Dream: the position before)."""
@@ -388,7 +412,8 @@ class BlockDiffusionRunner:
                    forced: torch.Tensor, grinding: torch.Tensor, conf: torch.Tensor,
                    batch: _BatchParams) -> torch.Tensor:
         """Per row, in one tensor (one device sync): committed, still masked, forced, grinding exit,
-        early-exit end position (-1 if none) and the first-step confidence band counts."""
+        early-exit end position (-1 if none), the first-step confidence band counts and the first
+        position of the block still masked (the block length if none)."""
         still_masked = new_tokens == self.model.special.mask_id
         is_end = torch.isin(new_tokens, self._end_ids) & (batch.position < batch.block_length[:, None])
         clear_before = still_masked.int().cumsum(dim=1) == 0
@@ -397,8 +422,10 @@ class BlockDiffusionRunner:
         bands = torch.stack([candidates & (conf > P.CONF_HIGH),
                              candidates & (conf >= P.CONF_LOW) & (conf <= P.CONF_HIGH),
                              candidates & (conf < P.CONF_LOW)], dim=1).sum(dim=2)
+        in_block = still_masked & (batch.position < batch.block_length[:, None])
+        first_masked = torch.where(in_block.any(dim=1), in_block.int().argmax(dim=1), batch.block_length)
         return torch.cat([torch.stack([commit.sum(dim=1), still_masked.sum(dim=1), forced.sum(dim=1),
-                                       grinding.long(), end_pos], dim=1), bands], dim=1)
+                                       grinding.long(), end_pos], dim=1), bands, first_masked[:, None]], dim=1)
 
 
 @dataclass

@@ -1,0 +1,274 @@
+"""The FastAPI app: thin routes over `Serving`, plus auth, limits, health and metrics.
+
+The model loads in a background thread at start-up, so `/health` and `/ready` answer at once
+(`/ready` says 503 until the model is loaded and warmed up). Bodies are read and parsed here, not
+by FastAPI, so every malformed body (too large, not UTF-8, not JSON, nested too deep, wrong
+types) becomes a clear OpenAI-style 4xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import threading
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine import Engine, EngineConfig
+from server.energy import EnergyMeter, open_meter
+from server.errors import APIError, error_response
+from server.metrics import Metrics
+from server.protocol import (
+    UNSUPPORTED_CHAT,
+    UNSUPPORTED_COMPLETION,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from server.scheduler import EngineLoop
+from server.serving import Serving
+from server.settings import ServerSettings
+
+EngineFactory = Callable[[ServerSettings], Engine]
+
+
+def package_version() -> str:
+    try:
+        return version("cai-dllm")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def _load_engine(settings: ServerSettings) -> Engine:
+    return Engine(EngineConfig(model=settings.model, device=settings.device, dtype=settings.dtype,
+                               max_batch=settings.max_batch))
+
+
+class AppState:
+    """Everything the routes need, filled in once the model is loaded."""
+
+    def __init__(self, settings: ServerSettings, meter: Optional[EnergyMeter]) -> None:
+        self.settings = settings
+        self.metrics = Metrics(settings.model_name)
+        self.meter = meter
+        self.engine: Optional[Engine] = None
+        self.loop: Optional[EngineLoop] = None
+        self.serving: Optional[Serving] = None
+        self.load_error: Optional[str] = None
+        self.ready = threading.Event()
+        self.draining = False
+        self.in_flight = 0
+        self.started = time.time()
+
+    def start(self, factory: EngineFactory) -> None:
+        try:
+            engine = factory(self.settings)
+            meter = self.meter or open_meter(self.settings.device)
+            self.meter = meter
+            loop = EngineLoop(engine, self.settings.max_queue, self.metrics, meter)
+            engine.generate([[0]], engine.default_params().with_overrides(gen_length=4, block_length=4))  # warm-up
+            self.serving = Serving(engine, loop, self.settings, self.metrics)
+            self.engine, self.loop = engine, loop
+            loop.start()
+            self.ready.set()
+        except Exception as err:  # reported by /ready and /health; the process keeps answering
+            self.load_error = f"{type(err).__name__}: {err}"
+
+    def require_serving(self) -> Serving:
+        if self.draining:
+            raise APIError(503, "The server is shutting down", code="shutting_down")
+        if self.serving is None:
+            raise APIError(503, self.load_error or "The model is still loading", code="not_ready")
+        return self.serving
+
+
+def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_engine,
+               meter: Optional[EnergyMeter] = None) -> FastAPI:
+    state = AppState(settings, meter)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
+        loader = threading.Thread(target=state.start, args=(engine_factory,), name="cai-dllm-load", daemon=True)
+        loader.start()
+        yield
+        if state.loop is not None:
+            state.loop.stop()
+
+    app = FastAPI(title="cai-dllm", version=package_version(), lifespan=lifespan)
+    app.state.cai = state
+
+    app.add_middleware(GuardMiddleware, state=state)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, err: APIError) -> JSONResponse:
+        return err.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        message = "Not found" if err.status_code == 404 else str(err.detail)
+        return error_response(err.status_code, message, code="not_found" if err.status_code == 404 else None)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, err: Exception) -> JSONResponse:
+        return error_response(500, f"Internal server error: {type(err).__name__}", code="internal_error")
+
+    async def read_body(request: Request, model: type, unsupported: dict[str, Any]) -> Any:
+        raw = bytearray()
+        async for piece in request.stream():
+            raw.extend(piece)
+            if len(raw) > settings.max_body_bytes:
+                raise APIError(413, f"Request body exceeds {settings.max_body_bytes} bytes", code="request_too_large")
+        try:
+            data = json.loads(bytes(raw).decode("utf-8"))
+        except UnicodeDecodeError:
+            raise APIError(400, "Request body is not valid UTF-8", code="invalid_json") from None
+        except (json.JSONDecodeError, RecursionError):
+            raise APIError(400, "Request body is not valid JSON (or is nested too deeply)",
+                           code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "Request body must be a JSON object", code="invalid_json")
+        try:
+            body = model.model_validate(data)
+        except ValidationError as err:
+            first = err.errors()[0]
+            param = ".".join(str(p) for p in first["loc"]) or None
+            raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+        except RecursionError:
+            raise APIError(400, "Request body is nested too deeply", code="invalid_json") from None
+        rejected = body.rejected_field(unsupported)
+        if rejected is not None:
+            raise APIError(400, rejected[1], param=rejected[0], code="unsupported_parameter")
+        return body
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        serving = state.require_serving()
+        body = await read_body(request, CompletionRequest, UNSUPPORTED_COMPLETION)
+        return await serving.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        serving = state.require_serving()
+        body = await read_body(request, ChatCompletionRequest, UNSUPPORTED_CHAT)
+        return await serving.chat(body, request)
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        serving = state.require_serving()
+        assert state.engine is not None and state.meter is not None
+        card = ModelCard(id=settings.model_name, created=int(state.started), root=settings.model,
+                         max_model_len=serving.max_model_len, architecture=state.engine.architecture,
+                         energy_meter=state.meter.name)
+        return ModelList(data=[card]).model_dump()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.load_error:
+            return error_response(503, f"model failed to load: {state.load_error}", code="load_failed")
+        loop = state.loop
+        if loop is not None:
+            if not loop.alive:
+                return error_response(503, "the engine loop has stopped", code="engine_dead")
+            stalled = time.monotonic() - loop.last_progress
+            if loop.num_pending and stalled > settings.stall_timeout:
+                return error_response(503, f"the engine has made no progress for {stalled:.0f} s with work pending",
+                                      code="engine_stalled")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if state.draining:
+            return error_response(503, "shutting down", code="shutting_down")
+        if not state.ready.is_set():
+            return error_response(503, state.load_error or "loading", code="not_ready")
+        return JSONResponse({"status": "ready", "model": settings.model_name})
+
+    @app.get("/version")
+    async def version_info() -> Any:
+        engine = state.engine
+        return {"version": package_version(), "model": settings.model_name,
+                "architecture": engine.architecture if engine else None,
+                "device": settings.device, "dtype": settings.dtype,
+                "attention_backend": engine.model.attention_backend if engine else None,
+                "energy_meter": state.meter.name if state.meter else None}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+class GuardMiddleware:
+    """Auth, draining and the body-size limit for /v1 routes; counts requests in flight until their
+    last byte is sent (streams included) and errors by status. Plain ASGI, so streaming and
+    disconnect detection pass through untouched."""
+
+    def __init__(self, app: Any, state: AppState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state, settings = self.state, self.state.settings
+        guarded = scope["path"].startswith("/v1")
+        if guarded:
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+            refusal = None
+            if settings.api_key is not None and not _authorized(headers.get("authorization", ""), settings.api_key):
+                refusal = error_response(401, "Invalid or missing API key (send Authorization: Bearer <key>)",
+                                         code="invalid_api_key")
+            elif state.draining:
+                refusal = error_response(503, "The server is shutting down", code="shutting_down")
+            else:
+                length = headers.get("content-length", "")
+                if length.isdigit() and int(length) > settings.max_body_bytes:
+                    refusal = error_response(413, f"Request body exceeds {settings.max_body_bytes} bytes",
+                                             code="request_too_large")
+            if refusal is not None:
+                state.metrics.labels(state.metrics.request_errors, status=str(refusal.status_code)).inc()
+                await refusal(scope, receive, send)
+                return
+        status: dict[str, int] = {}
+
+        async def tracked_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        state.in_flight += 1
+        try:
+            await self.app(scope, receive, tracked_send)
+        finally:
+            state.in_flight -= 1
+            if guarded and status.get("code", 500) >= 400:
+                state.metrics.labels(state.metrics.request_errors, status=str(status.get("code", 500))).inc()
+
+
+def _authorized(header: str, key: str) -> bool:
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+async def drain(app: FastAPI, timeout: float) -> None:
+    """Stop accepting work (503) and wait for the requests in flight, at most `timeout` seconds."""
+    state: AppState = app.state.cai
+    state.draining = True
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pending = state.loop.num_pending if state.loop is not None else 0
+        if pending == 0 and state.in_flight == 0:
+            return
+        await asyncio.sleep(0.05)

@@ -1,0 +1,53 @@
+"""Prometheus metrics, prefix `caidllm:`, label `model_name`: one registry per app."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+_JOULES = (0.01, 0.1, 0.5, 1, 5, 10, 50, 100, 500, 1000, 5000)
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        r, label = self.registry, ["model_name"]
+        self.running = Gauge("caidllm:num_requests_running", "Requests decoding in the batch", label, registry=r)
+        self.waiting = Gauge("caidllm:num_requests_waiting", "Requests waiting for a row", label, registry=r)
+        self.prompt_tokens = Counter("caidllm:prompt_tokens", "Prompt tokens of finished requests", label,
+                                     registry=r)
+        self.generation_tokens = Counter("caidllm:generation_tokens", "Generated tokens (responses)", label,
+                                         registry=r)
+        self.request_success = Counter("caidllm:request_success", "Finished requests by finish reason",
+                                       [*label, "finished_reason"], registry=r)
+        self.request_errors = Counter("caidllm:request_errors", "Requests answered with an error, by status",
+                                      [*label, "status"], registry=r)
+        self.ttft = Histogram("caidllm:time_to_first_token_seconds", "Time to the first final token", label,
+                              buckets=_LATENCY, registry=r)
+        self.e2e = Histogram("caidllm:e2e_request_latency_seconds", "End-to-end request latency", label,
+                             buckets=_LATENCY, registry=r)
+        self.queue_time = Histogram("caidllm:request_queue_time_seconds", "Time waiting for a row", label,
+                                    buckets=_LATENCY, registry=r)
+        self.batch_size = Histogram("caidllm:batch_size", "Rows per engine step", label,
+                                    buckets=(1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32), registry=r)
+        self.nfe = Histogram("caidllm:request_nfe", "Forward passes per request", label, buckets=_COUNTS,
+                             registry=r)
+        self.tokens_per_step = Histogram("caidllm:tokens_committed_per_step", "Tokens committed per row and step",
+                                         label, buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        self.steps_saved_request = Histogram("caidllm:request_steps_saved", "Steps saved per request against the "
+                                             "fixed budget", label, buckets=(0, *_COUNTS), registry=r)
+        self.steps_saved = Counter("caidllm:steps_saved", "Steps saved against the fixed budget", label, registry=r)
+        self.steps = Counter("caidllm:decode_steps", "Denoising steps taken (row-steps)", label, registry=r)
+        self.forced = Counter("caidllm:forced_commits", "Tokens committed below their threshold", label, registry=r)
+        self.grinding = Counter("caidllm:grinding_exits", "Grinding-phase detector firings", label, registry=r)
+        self.request_joules = Histogram("caidllm:request_energy_joules", "Energy per request (measured)", label,
+                                        buckets=_JOULES, registry=r)
+        self.joules = Counter("caidllm:energy_joules", "Energy measured during engine steps", label, registry=r)
+
+    def labels(self, metric, **extra):  # type: ignore[no-untyped-def]
+        return metric.labels(model_name=self.model_name, **extra)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

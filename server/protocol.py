@@ -1,0 +1,171 @@
+"""OpenAI request and response bodies (pydantic), plus the fields we reject by name.
+
+Unknown fields and OpenAI fields this server does not implement are rejected with a 400 naming the
+field, never silently ignored; a field sent with its OpenAI default value (e.g. `echo: false`) is
+accepted, since it asks for nothing we do not do.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# OpenAI fields we do not implement, with the value that means "not used".
+UNSUPPORTED_COMPLETION = {"logprobs": None, "echo": False, "best_of": 1, "logit_bias": None, "suffix": None,
+                          "presence_penalty": 0, "frequency_penalty": 0}
+UNSUPPORTED_CHAT = {"logprobs": False, "top_logprobs": None, "logit_bias": None, "presence_penalty": 0,
+                    "frequency_penalty": 0, "tools": None, "tool_choice": None, "functions": None,
+                    "function_call": None, "response_format": None, "parallel_tool_calls": None,
+                    "audio": None, "modalities": None, "prediction": None, "reasoning_effort": None,
+                    "service_tier": None, "store": None, "metadata": None, "web_search_options": None}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    def rejected_field(self, unsupported: dict[str, Any]) -> Optional[tuple[str, str]]:
+        """(field, message) for the first field we must refuse, or None."""
+        for name, value in (self.model_extra or {}).items():
+            if name in unsupported:
+                default = unsupported[name]
+                if value is None or value == default or (default is None and value in ({}, [])):
+                    continue
+                return name, f"'{name}' is not supported by this server"
+            return name, f"unknown parameter '{name}'"
+        return None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    seed: Optional[int] = Field(None, ge=0, le=2**63 - 1)
+    stop: Optional[Union[str, list[str]]] = None
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    decoding: Optional[dict[str, Any]] = None
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: Union[str, list[ContentPart]]
+    name: Optional[str] = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class DecodingSummary(BaseModel):
+    """Per choice: what the diffusion decoder did."""
+
+    nfe: int
+    steps: int
+    steps_saved: int
+    fixed_step_budget: int
+    forced_commits: int
+    grinding_exits: int
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Optional[str]
+    logprobs: None = None
+    decoding: Optional[DecodingSummary] = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: Optional[str]
+    logprobs: None = None
+    decoding: Optional[DecodingSummary] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "cai-dllm"
+    root: str
+    max_model_len: int
+    architecture: str
+    energy_meter: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
