@@ -1,15 +1,17 @@
 """A task family with exact-match answers, for training and measuring the built-in models.
 
 Four kinds, each a user instruction and a reference response:
-- `add`: a+b with 1-4 digit operands and a worked chain, one column at a time from the right,
-  e.g. "457+38" -> "7+8=15 c1;5+3+1=9 c0;4+0+0=4 c0;=495";
-- `affine`: x -> (a*x + b) mod m (m = 5 or 7) iterated k times, e.g. "x=5 x->3x+2 mod 7 k=4" -> "3,4,0,2";
-- `collatz`: the trajectory to 1 (starts whose values stay below 1000), e.g. "collatz 6" -> "3,10,5,16,8,4,2,1";
+- `add`: a+b with 1-4 digit operands, written zero-padded to 4 digits, and a worked chain, one
+  column at a time from the right, e.g. "0457+0038" -> "7+8=15 c1;5+3+1=9 c0;4+0+0=4 c0;0+0+0=0 c0;=495";
+- `affine`: x -> (a*x + b) mod m (m = 5 or 7) iterated k times, each step labelled,
+  e.g. "x=5 x->3x+2 mod 7 k=4" -> "x1=3,x2=4,x3=0,x4=2";
+- `collatz`: the trajectory to 1 (starts whose values stay below 300), e.g. "collatz 6" -> "3,10,5,16,8,4,2,1";
 - `running`: the running total of labelled single digits, e.g. "sum a3 b5 c2 d7" -> "a3,b8,c10,d17"
   (the labels make each term findable by content, not by counting).
 In the chained kinds every value depends on the one before it, so later tokens can only be known
 once earlier ones are committed; answer lengths range from a few characters to most of a
-128-token canvas.
+128-token canvas. Every lookup a step needs is by content (labels) or at a fixed place (the
+zero-padded columns), never by counting: a model this small learns those quickly.
 
 Held-out split, by construction: a problem whose canonical key hashes to 0 mod 10 is never
 generated for training (`split="train"`) and is the only kind generated for evaluation.
@@ -27,9 +29,11 @@ KINDS = ("add", "affine", "collatz", "running")
 DEFAULT_MIX = {"add": 0.35, "affine": 0.2, "collatz": 0.15, "running": 0.3}
 HELD_OUT_MODULUS = 10
 MAX_RESPONSE_CHARS = 110  # leaves room for the end token in a 128-token canvas
-RUNNING_LABELS = "abcdefghijkl"
+RUNNING_LABELS = "abcdefghij"
 AFFINE_MODULI = (5, 7)
-COLLATZ_MAX_VALUE = 1000
+AFFINE_MAX_STEPS = 12
+ADD_WIDTH = 4
+COLLATZ_MAX_VALUE = 300
 COLLATZ_MAX_CHARS = 80
 
 
@@ -57,6 +61,8 @@ def answer_of(kind: str, response: str) -> Optional[str]:
     parts = text.split(",")
     if kind == "running":
         parts = [p[1:] for p in parts if p[:1].isalpha()] if all(p[:1].isalpha() for p in parts) else [""]
+    if kind == "affine":
+        parts = [p.partition("=")[2] if p.startswith("x") and "=" in p else "" for p in parts]
     return text if text and all(p.isdigit() for p in parts) else None
 
 
@@ -66,15 +72,15 @@ def is_held_out(kind: str, key: str) -> bool:
 
 
 def _add(a: int, b: int) -> Problem:
-    xs, ys = str(a)[::-1], str(b)[::-1]
+    xs, ys = f"{a:0{ADD_WIDTH}d}"[::-1], f"{b:0{ADD_WIDTH}d}"[::-1]
     steps, carry = [], 0
-    for i in range(max(len(xs), len(ys))):
-        x = int(xs[i]) if i < len(xs) else 0
-        y = int(ys[i]) if i < len(ys) else 0
+    for i in range(ADD_WIDTH):
+        x, y = int(xs[i]), int(ys[i])
         total = x + y + carry
         steps.append(f"{x}+{y}+{carry}={total} c{total // 10}" if i else f"{x}+{y}={total} c{total // 10}")
         carry = total // 10
-    return Problem("add", f"{a}+{b}", f"{a}+{b}", ";".join(steps) + f";={a + b}")
+    prompt = f"{a:0{ADD_WIDTH}d}+{b:0{ADD_WIDTH}d}"
+    return Problem("add", f"{a}+{b}", prompt, ";".join(steps) + f";={a + b}")
 
 
 def collatz_trajectory(n: int) -> list[int]:
@@ -97,13 +103,14 @@ def make_problem(kind: str, rng: random.Random) -> Problem:
                     rng.randint(10 ** (db - 1) if db > 1 else 0, 10 ** db - 1))
     if kind == "affine":
         m = rng.choice(AFFINE_MODULI)
-        a, b, x, k = rng.randint(1, m - 1), rng.randint(0, m - 1), rng.randint(0, m - 1), rng.randint(3, 24)
+        a, b, x, k = (rng.randint(1, m - 1), rng.randint(0, m - 1), rng.randint(0, m - 1),
+                      rng.randint(3, AFFINE_MAX_STEPS))
         values, y = [], x
-        for _ in range(k):
+        for i in range(k):
             y = (a * y + b) % m
-            values.append(y)
+            values.append(f"x{i + 1}={y}")
         key = f"{x},{a},{b},{m},{k}"
-        return Problem("affine", key, f"x={x} x->{a}x+{b} mod {m} k={k}", ",".join(map(str, values)))
+        return Problem("affine", key, f"x={x} x->{a}x+{b} mod {m} k={k}", ",".join(values))
     if kind == "collatz":
         start = rng.choice(COLLATZ_STARTS)
         return Problem("collatz", str(start), f"collatz {start}", ",".join(map(str, collatz_trajectory(start))))
