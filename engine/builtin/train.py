@@ -160,7 +160,7 @@ def train(config: TrainConfig, out: Path, resume: bool = False, max_minutes: Opt
     started = time.perf_counter() - log["seconds"]
     bar = tqdm(total=config.steps, initial=log["step"], disable=not progress, desc=f"train {config.arch}",
                dynamic_ncols=True)
-    recent: list[float] = []
+    recent: list[float] = log.setdefault("unlogged", [])  # losses since the last logged average
 
     def save_state() -> None:
         log["seconds"] = time.perf_counter() - started
@@ -186,7 +186,7 @@ def train(config: TrainConfig, out: Path, resume: bool = False, max_minutes: Opt
             if len(recent) == 25 or log["step"] == config.steps:
                 log["losses"].append([log["step"], sum(recent) / len(recent)])
                 bar.set_postfix(loss=f"{log['losses'][-1][1]:.4f}")
-                recent = []
+                recent.clear()
             bar.update(1)
             if log["step"] % config.checkpoint_every == 0:
                 save_state()
