@@ -294,8 +294,12 @@ def test_client_disconnect_aborts_the_request(server):
         with c.stream("POST", f"{server}/v1/completions",
                       json={"prompt": "<|user|>1+1<|assistant|>", "max_tokens": 2048, "stream": True,
                             "decoding": {"policy": "fixed", "early_exit": False, "block_length": 64}}) as response:
-            for _ in response.iter_lines():
-                break
+            assert response.status_code == 200  # the stream is open and the request decoding
+            deadline = time.monotonic() + 10
+            while _metric(httpx.get(f"{server}/metrics").text, "caidllm:num_requests_running") == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        # leaving the block closes the connection mid-stream
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if _metric(httpx.get(f"{server}/metrics").text, "caidllm:num_requests_running") == 0:
