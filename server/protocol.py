@@ -116,45 +116,6 @@ def now() -> int:
     return int(time.time())
 
 
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    finish_reason: Optional[str]
-    logprobs: None = None
-    decoding: Optional[DecodingSummary] = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Optional[Usage] = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    finish_reason: Optional[str]
-    logprobs: None = None
-    decoding: Optional[DecodingSummary] = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"

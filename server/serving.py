@@ -230,6 +230,18 @@ class Serving:
         completion = sum(c.completion_tokens for c in choices)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
+    async def _next_event(self, queue: asyncio.Queue, deadline: float, request: Request) -> Optional[Event]:
+        """The next engine event for this request; None if the client has gone; 504 past the deadline."""
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise APIError(504, f"request timed out after {self.settings.request_timeout:g} s", code="timeout")
+            try:
+                return await asyncio.wait_for(queue.get(), timeout=min(0.25, remaining))
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return None
+
     async def _wait(self, choices: list[Choice], queue: asyncio.Queue, request: Request,
                     stops: list[str]) -> None:
         """Collect every choice's result; abort all on disconnect or timeout."""
@@ -238,15 +250,9 @@ class Serving:
         by_index = {c.index: c for c in choices}
         try:
             while pending:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise APIError(504, f"request timed out after {self.settings.request_timeout:g} s", code="timeout")
-                try:
-                    event: Event = await asyncio.wait_for(queue.get(), timeout=min(0.25, remaining))
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        raise asyncio.CancelledError from None
-                    continue
+                event = await self._next_event(queue, deadline, request)
+                if event is None:
+                    raise asyncio.CancelledError
                 choice = by_index[event.choice]
                 if event.kind == "error":
                     raise APIError(400, event.message)
@@ -340,15 +346,9 @@ class Serving:
                     yield chunk(c.index, "", None, first=True)
             pending = set(by_index)
             while pending:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise APIError(504, f"request timed out after {self.settings.request_timeout:g} s", code="timeout")
-                try:
-                    event: Event = await asyncio.wait_for(queue.get(), timeout=min(0.25, remaining))
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return
-                    continue
+                event = await self._next_event(queue, deadline, request)
+                if event is None:
+                    return
                 c = by_index[event.choice]
                 if c.finished:
                     continue
