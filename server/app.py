@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import Engine, EngineConfig
+from server import openapi
 from server.energy import EnergyMeter, open_meter
 from server.errors import APIError, error_response
 from server.metrics import Metrics
@@ -106,6 +107,7 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
 
     app = FastAPI(title="cai-dllm", version=package_version(), lifespan=lifespan)
     app.state.cai = state
+    openapi.install(app)
 
     app.add_middleware(GuardMiddleware, state=state)
 
@@ -116,7 +118,9 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
         message = "Not found" if err.status_code == 404 else str(err.detail)
-        return error_response(err.status_code, message, code="not_found" if err.status_code == 404 else None)
+        # keeps Starlette's headers, e.g. the `Allow` list a 405 must carry
+        return error_response(err.status_code, message, code="not_found" if err.status_code == 404 else None,
+                              headers=dict(err.headers or {}))
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, err: Exception) -> JSONResponse:
@@ -141,8 +145,13 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
             body = model.model_validate(data)
         except ValidationError as err:
             first = err.errors()[0]
-            param = ".".join(str(p) for p in first["loc"]) or None
-            raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+            # union members appear in the location as tags ("constrained-str", "list[int]"): not field names
+            param = ".".join(str(p) for p in first["loc"] if isinstance(p, int) or str(p).isidentifier()) or None
+            message = first["msg"]
+            if param == "prompt" and len(err.errors()) > 1:
+                message = ("must be a non-empty string, a non-empty list of strings, a non-empty list of token ids "
+                           "(>= 0), or a non-empty list of such lists")
+            raise APIError(400, f"{param}: {message}" if param else message, param=param) from None
         except RecursionError:
             raise APIError(400, "Request body is nested too deeply", code="invalid_json") from None
         rejected = body.rejected_field(unsupported)

@@ -45,6 +45,11 @@ class Metrics:
         self.request_joules = Histogram("caidllm:request_energy_joules", "Energy per request (measured)", label,
                                         buckets=_JOULES, registry=r)
         self.joules = Counter("caidllm:energy_joules", "Energy measured during engine steps", label, registry=r)
+        # Series exist from start-up (at 0), so rates and dashboards show 0 rather than "no data".
+        for metric in (self.running, self.waiting, self.prompt_tokens, self.generation_tokens, self.ttft, self.e2e,
+                       self.queue_time, self.batch_size, self.nfe, self.tokens_per_step, self.steps_saved_request,
+                       self.steps_saved, self.steps, self.forced, self.grinding, self.request_joules, self.joules):
+            self.labels(metric)
 
     def labels(self, metric, **extra):  # type: ignore[no-untyped-def]
         return metric.labels(model_name=self.model_name, **extra)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,8 +23,9 @@ UNSUPPORTED_CHAT = {"logprobs": False, "top_logprobs": None, "logit_bias": None,
                     "service_tier": None, "store": None, "metadata": None, "web_search_options": None}
 
 
+# strict: a JSON value of the wrong type is refused, never coerced ("1" is not 1, 0.0 is not false)
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     def rejected_field(self, unsupported: dict[str, Any]) -> Optional[tuple[str, str]]:
         """(field, message) for the first field we must refuse, or None."""
@@ -39,7 +40,7 @@ class _Body(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
@@ -63,18 +64,24 @@ class _Sampling(_Body):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+# What the schema can say about a prompt; the vocabulary bound and the context length are checked at
+# run time (400, `context_length_exceeded` for the latter), as OpenAI does.
+_Text = Annotated[str, Field(min_length=1)]
+_Ids = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[_Text, Annotated[list[_Text], Field(min_length=1)], _Ids, Annotated[list[_Ids], Field(min_length=1)]]
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant", "developer"]
     content: Union[str, list[ContentPart]]
     name: Optional[str] = None

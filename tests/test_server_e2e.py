@@ -4,56 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from serverproc import REPO, metric, running_server
 
-REPO = Path(__file__).resolve().parents[1]
-MODEL = REPO / "models" / "llada-tiny"
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def running_server(*flags: str, env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--log-level", "warning", *flags]
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{proc.stdout.read()}")
-            try:
-                if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not become ready")
-            time.sleep(0.2)
-        yield base, proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -221,14 +183,6 @@ def test_concurrent_requests_batch_and_match_alone(server, client):
     assert float(eight[0].split()[-1]) > float(seven[0].split()[-1])  # some steps ran 8 rows
 
 
-def _metric(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            total += float(line.split()[-1])
-    return total
-
-
 def test_metrics_move_and_agree_with_summaries(server, client):
     before = httpx.get(f"{server}/metrics").text
     outs = [client.completions.create(model="llada-tiny", prompt=f"<|user|>{i}+{i}<|assistant|>", max_tokens=64,
@@ -236,13 +190,13 @@ def test_metrics_move_and_agree_with_summaries(server, client):
             for i in range(3)]
     after = httpx.get(f"{server}/metrics").text
     saved = sum(o.choices[0].model_extra["decoding"]["steps_saved"] for o in outs)
-    assert _metric(after, "caidllm:steps_saved_total") - _metric(before, "caidllm:steps_saved_total") == saved
+    assert metric(after, "caidllm:steps_saved_total") - metric(before, "caidllm:steps_saved_total") == saved
     for name in ("caidllm:prompt_tokens_total", "caidllm:generation_tokens_total", "caidllm:request_success_total",
                  "caidllm:e2e_request_latency_seconds_count", "caidllm:time_to_first_token_seconds_count",
                  "caidllm:request_queue_time_seconds_count", "caidllm:request_nfe_count",
                  "caidllm:tokens_committed_per_step_count", "caidllm:request_steps_saved_count",
                  "caidllm:batch_size_count", "caidllm:decode_steps_total"):
-        assert _metric(after, name) > _metric(before, name), name
+        assert metric(after, name) > metric(before, name), name
     for name in ("caidllm:num_requests_running", "caidllm:num_requests_waiting", "caidllm:forced_commits_total",
                  "caidllm:grinding_exits_total", "caidllm:request_errors_total"):
         assert name in after
@@ -287,7 +241,7 @@ def test_timeout_frees_the_row():
         assert response.status_code == 504 and response.json()["error"]["code"] == "timeout"
         time.sleep(0.5)
         metrics = httpx.get(f"{base}/metrics").text
-        assert _metric(metrics, "caidllm:num_requests_running") == 0
+        assert metric(metrics, "caidllm:num_requests_running") == 0
 
 
 def test_client_disconnect_aborts_the_request(server):
@@ -297,16 +251,16 @@ def test_client_disconnect_aborts_the_request(server):
                             "decoding": {"policy": "fixed", "early_exit": False, "block_length": 64}}) as response:
             assert response.status_code == 200  # the stream is open and the request decoding
             deadline = time.monotonic() + 10
-            while _metric(httpx.get(f"{server}/metrics").text, "caidllm:num_requests_running") == 0:
+            while metric(httpx.get(f"{server}/metrics").text, "caidllm:num_requests_running") == 0:
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
         # leaving the block closes the connection mid-stream
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        if _metric(httpx.get(f"{server}/metrics").text, "caidllm:num_requests_running") == 0:
+        if metric(httpx.get(f"{server}/metrics").text, "caidllm:num_requests_running") == 0:
             break
         time.sleep(0.1)
-    assert _metric(httpx.get(f"{server}/metrics").text, "caidllm:num_requests_running") == 0
+    assert metric(httpx.get(f"{server}/metrics").text, "caidllm:num_requests_running") == 0
 
 
 def test_sigterm_drains_in_flight_requests():

@@ -1,0 +1,49 @@
+"""lm-evaluation-harness as a real client: `lm_eval --model local-completions` against the server on
+the built-in task (bench/lm_eval/cai_builtin.yaml) scores what `cai-dllm eval` scores on the same
+problems with the same decoding."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ops_tools import require_tool
+from serverproc import MODEL, REPO, running_server
+
+pytestmark = pytest.mark.slow
+DECODING = {"policy": "cai", "cache": "dual", "refresh_interval": 16, "gating": True, "block_length": 32,
+            "steps": 128}
+
+
+def test_lm_eval_local_completions_matches_cai_dllm_eval(tmp_path):
+    lm_eval = require_tool("lm_eval")
+    data = REPO / "bench" / "lm_eval" / "heldout_n100_seed0.jsonl"
+    problems = [json.loads(line) for line in data.read_text().splitlines()]
+    from engine.builtin.evaluate import held_out_problems
+
+    assert [(p["prompt"], p["answer"]) for p in problems] == [(p.prompt, p.answer) for p in held_out_problems(100, 0)]
+
+    ours = subprocess.run([sys.executable, "-m", "server.cli", "eval", "--model", str(MODEL), "--n", "100",
+                           "--seed", "0", "--configs", json.dumps({"gen_length": 128, **DECODING}),
+                           "--json", str(tmp_path / "ours.json")], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert ours.returncode == 0, ours.stderr
+    [row] = json.loads((tmp_path / "ours.json").read_text())["configs"]
+    expected = row["accuracy"]
+
+    with running_server("--default-decoding", json.dumps(DECODING)) as (base, _):
+        env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        run = subprocess.run([lm_eval, "--model", "local-completions", "--tasks", "cai_builtin",
+                              "--include_path", "bench/lm_eval", "--output_path", str(tmp_path / "lm_eval"),
+                              "--model_args", f"model=llada-tiny,base_url={base}/v1/completions,num_concurrent=8,"
+                              "tokenizer_backend=None,tokenized_requests=False,max_retries=3"],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    [results] = list(Path(tmp_path / "lm_eval").rglob("results_*.json"))
+    score = json.loads(results.read_text())["results"]["cai_builtin"]["exact_match,answer"]
+    print(f"\n[ops-proof] lm-eval exact match {score:.3f}; cai-dllm eval {expected:.3f} (100 problems)")
+    assert score == pytest.approx(expected, abs=1e-9)
