@@ -93,8 +93,10 @@ def _train(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     config = TrainConfig(arch=args.arch, d_model=args.d_model, layers=args.layers, heads=args.heads,
-                         mlp_hidden=args.mlp_hidden, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
-                         warmup=args.warmup, seed=args.seed)
+                         mlp_hidden=args.mlp_hidden, rope_theta=args.rope_theta,
+                         batch_size=args.batch_size, steps=args.steps, lr=args.lr,
+                         warmup=args.warmup, seed=args.seed, micro_batches=args.micro_batches,
+                         full_canvas_share=args.full_canvas_share, max_extra_fill=args.max_extra_fill)
     log = train(config, Path(args.out), resume=args.resume, max_minutes=args.max_minutes)
     last = log["losses"][-1][1] if log["losses"] else float("nan")
     print(f"trained {log['step']} steps in {log['seconds'] / 60:.1f} min; final loss {last:.4f}; saved to {args.out}")
@@ -183,6 +185,32 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from server.load_generator import builtin_workload, file_workload, format_report, run_load
+
+    try:
+        decoding = json.loads(args.decoding) if args.decoding else None
+        if decoding is not None and not isinstance(decoding, dict):
+            raise ValueError("--decoding must be a JSON object")
+        workload = (builtin_workload(args.num_requests, args.seed) if args.dataset == "builtin"
+                    else file_workload(Path(args.dataset)))
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    report = asyncio.run(run_load(args.base_url, workload, args.num_requests, concurrency=args.concurrency,
+                                  request_rate=args.request_rate, decoding=decoding, model=args.model,
+                                  max_tokens=args.max_tokens, api_key=args.api_key, seed=args.seed))
+    print(format_report(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(asdict(report), indent=1) + "\n")
+    return 0 if report.completed else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cai-dllm", description="Convergence-aware inference server "
                                      "for masked diffusion language models (LLaDA, Dream).")
@@ -238,6 +266,23 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--log-level")
     sv.set_defaults(func=_serve)
 
+    bench = sub.add_parser("bench", help="benchmarks against a running server").add_subparsers(
+        dest="bench_command", required=True)
+    bs = bench.add_parser("serve", help="load generator: throughput, TTFT/latency percentiles, NFE, steps saved")
+    bs.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    load = bs.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, help="requests in flight at once (closed loop; default 8)")
+    load.add_argument("--request-rate", type=float, help="requests per second, Poisson arrivals (open loop)")
+    bs.add_argument("--num-requests", type=int, default=100)
+    bs.add_argument("--dataset", default="builtin", help="'builtin' (held-out task problems) or a JSONL file")
+    bs.add_argument("--decoding", help="JSON object of decoding knobs sent with every request")
+    bs.add_argument("--model", help="model id (default: the first of /v1/models)")
+    bs.add_argument("--max-tokens", type=int)
+    bs.add_argument("--api-key")
+    bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--json", help="also write the full report, every request included, to this file")
+    bs.set_defaults(func=_bench_serve)
+
     tr = sub.add_parser("train", help="train a built-in tiny model on the task family (CPU)")
     tr.add_argument("--arch", choices=("llada", "dream"), default="llada")
     tr.add_argument("--out", required=True)
@@ -245,11 +290,16 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--layers", type=int, default=4)
     tr.add_argument("--heads", type=int, default=4)
     tr.add_argument("--mlp-hidden", type=int, default=384)
+    tr.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base (the 8B models' bases are for "
+                    "head dims of 128)")
     tr.add_argument("--batch-size", type=int, default=32)
     tr.add_argument("--steps", type=int, default=4000)
     tr.add_argument("--lr", type=float, default=1e-3)
     tr.add_argument("--warmup", type=int, default=200)
     tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--micro-batches", type=int, default=2, help="length-sorted groups per step, each its own canvas")
+    tr.add_argument("--full-canvas-share", type=float, default=0.25, help="share of groups given the full canvas")
+    tr.add_argument("--max-extra-fill", type=int, default=32, help="most end tokens after the longest response")
     tr.add_argument("--threads", type=int)
     tr.add_argument("--max-minutes", type=float, help="stop (and save) after this long")
     tr.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
@@ -262,6 +312,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "generate" and not (args.prompt or args.prompt_ids):
         parser.error("generate needs --prompt or --prompt-ids")
+    if args.command == "bench" and args.concurrency is None and args.request_rate is None:
+        args.concurrency = 8
     return args.func(args)
 
 

@@ -39,6 +39,7 @@ def test_lm_eval_local_completions_matches_cai_dllm_eval(tmp_path):
         env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         run = subprocess.run([lm_eval, "--model", "local-completions", "--tasks", "cai_builtin",
                               "--include_path", "bench/lm_eval", "--output_path", str(tmp_path / "lm_eval"),
+                              "--log_samples",
                               "--model_args", f"model=llada-tiny,base_url={base}/v1/completions,num_concurrent=8,"
                               "tokenizer_backend=None,tokenized_requests=False,max_retries=3"],
                              cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -47,3 +48,14 @@ def test_lm_eval_local_completions_matches_cai_dllm_eval(tmp_path):
     score = json.loads(results.read_text())["results"]["cai_builtin"]["exact_match,answer"]
     print(f"\n[ops-proof] lm-eval exact match {score:.3f}; cai-dllm eval {expected:.3f} (100 problems)")
     assert score == pytest.approx(expected, abs=1e-9)
+
+    # and response for response: what lm-eval received is what the engine decodes offline
+    from engine import Engine, EngineConfig
+    from engine.chat import chat_prompt_ids
+
+    [samples_file] = list(Path(tmp_path / "lm_eval").rglob("samples_cai_builtin_*.jsonl"))
+    samples = sorted((json.loads(line) for line in samples_file.read_text().splitlines()), key=lambda s: s["doc_id"])
+    engine = Engine(EngineConfig(model=str(MODEL), max_batch=8))
+    prompts = [chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": p["prompt"]}]) for p in problems]
+    offline = engine.generate(prompts, engine.default_params().with_overrides(gen_length=128, **DECODING))
+    assert [s["resps"][0][0] for s in samples] == [r.text for r in offline]

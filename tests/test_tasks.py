@@ -23,19 +23,17 @@ def _check(problem) -> None:
     """Verify a problem's answer independently of the generator."""
     if problem.kind == "add":
         a, b = map(int, problem.prompt.split("+"))
-        assert problem.answer == str(a + b)
-        # the worked chain: one column per digit of the longer operand, carries consistent
+        assert problem.answer == f"{a + b:05d}" and problem.prompt == f"{a:04d}+{b:04d}"
+        # the worked chain: one fixed-width column per digit, from the right, carries consistent
         columns = problem.response.split(";")[:-1]
-        assert len(columns) == 4 and problem.prompt == f"{a:04d}+{b:04d}"
+        assert len(columns) == 4
         carry = 0
         for i, column in enumerate(columns):
-            lhs, rhs = column.split("=")
-            total, c = rhs.split(" c")
+            lhs, total = column.split("=")
             terms = list(map(int, lhs.split("+")))
-            assert terms[0] == (a // 10 ** i) % 10 and terms[1] == (b // 10 ** i) % 10
-            assert sum(terms) == int(total) and int(c) == int(total) // 10
-            assert (i == 0 and len(terms) == 2) or terms[2] == carry
-            carry = int(c)
+            assert terms == [(a // 10 ** i) % 10, (b // 10 ** i) % 10, carry]
+            assert len(total) == 2 and sum(terms) == int(total)
+            carry = int(total) // 10
     elif problem.kind == "affine":
         x, rule, _, m, k = problem.prompt.split(" ")
         x = int(x.removeprefix("x="))
@@ -46,18 +44,19 @@ def _check(problem) -> None:
             values.append(f"x{i + 1}={x}")
         assert problem.answer == ",".join(values)
     elif problem.kind == "collatz":
-        n = int(problem.prompt.split()[1])
-        values = []
+        start = problem.prompt.split()[1]
+        n, values = int(start), []
+        assert len(start) == 3
         while n != 1:
             n = 3 * n + 1 if n % 2 else n // 2
-            values.append(n)
-        assert problem.answer == ",".join(map(str, values))
+            values.append(f"{n:03d}")
+        assert problem.answer == ",".join(values)
     elif problem.kind == "running":
         terms = problem.prompt.split()[1:]
         total, expected = 0, []
         for term in terms:
             total += int(term[1:])
-            expected.append(f"{term[0]}{total}")
+            expected.append(f"{term[0]}{total:02d}")
         assert problem.answer == ",".join(expected)
     else:
         raise AssertionError(problem.kind)
@@ -100,8 +99,8 @@ def test_streams_are_reproducible():
 
 
 def test_answer_parsing():
-    assert answer_of("add", "7+8=15 c1;=15") == "15"
-    assert answer_of("add", "7+8=15 c1;=1x") is None
+    assert answer_of("add", "7+8+0=15;=00015") == "00015"
+    assert answer_of("add", "7+8+0=15;=0001x") is None
     assert answer_of("collatz", "3,10,5") == "3,10,5"
     assert answer_of("running", "a3,b8") == "a3,b8"
     assert answer_of("running", "a3,8") is None
@@ -112,6 +111,7 @@ def test_answer_parsing():
 
 def test_collatz_starts_fit_the_canvas():
     assert len(COLLATZ_STARTS) > 50
+    assert max(len(make_problem("collatz", random.Random(i)).response) for i in range(300)) <= MAX_RESPONSE_CHARS
 
 
 def test_tokenizer_round_trips_every_character_of_the_task():

@@ -14,7 +14,8 @@ from engine.models.weight_names import expected_weights
 
 
 def llada_config(d_model: int, n_layers: int, n_heads: int, mlp_hidden: int, vocab_size: int,
-                 embedding_size: int, mask_id: int, eos_id: int, max_len: int = 4096) -> dict[str, Any]:
+                 embedding_size: int, mask_id: int, eos_id: int, max_len: int = 4096,
+                 rope_theta: float = 500000.0) -> dict[str, Any]:
     """Every field of the released LLaDA-8B-Instruct config.json, with these sizes and ids."""
     return {
         "activation_type": "silu", "alibi": False, "alibi_bias_max": 8.0, "architectures": ["LLaDAModelLM"],
@@ -30,13 +31,13 @@ def llada_config(d_model: int, n_layers: int, n_heads: int, mlp_hidden: int, voc
         "max_sequence_length": max_len, "mlp_hidden_size": mlp_hidden, "mlp_ratio": 4, "model_type": "llada",
         "multi_query_attention": None, "n_heads": n_heads, "n_kv_heads": n_heads, "n_layers": n_layers,
         "pad_token_id": eos_id, "precision": "amp_bf16", "residual_dropout": 0.0, "rms_norm_eps": 1e-05,
-        "rope": True, "rope_full_precision": True, "rope_theta": 500000.0, "scale_logits": False,
+        "rope": True, "rope_full_precision": True, "rope_theta": rope_theta, "scale_logits": False,
         "transformers_version": "4.46.3", "use_cache": False, "vocab_size": vocab_size, "weight_tying": False,
     }
 
 
 def dream_config(hidden: int, n_layers: int, n_heads: int, n_kv_heads: int, intermediate: int, vocab_size: int,
-                 mask_id: int, eos_id: int, max_len: int = 4096) -> dict[str, Any]:
+                 mask_id: int, eos_id: int, max_len: int = 4096, rope_theta: float = 1000000.0) -> dict[str, Any]:
     """Every field of the released Dream-v0-Instruct-7B config.json, with these sizes and ids."""
     return {
         "architectures": ["DreamModel"], "attention_dropout": 0.0,
@@ -45,7 +46,7 @@ def dream_config(hidden: int, n_layers: int, n_heads: int, n_kv_heads: int, inte
         "initializer_range": 0.02, "intermediate_size": intermediate, "mask_token_id": mask_id,
         "max_position_embeddings": max_len, "max_window_layers": n_layers, "model_type": "Dream",
         "num_attention_heads": n_heads, "num_hidden_layers": n_layers, "num_key_value_heads": n_kv_heads,
-        "pad_token_id": eos_id, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
+        "pad_token_id": eos_id, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": rope_theta,
         "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "float32",
         "transformers_version": "4.46.2", "use_cache": True, "use_mrope": False, "use_sliding_window": False,
         "vocab_size": vocab_size,

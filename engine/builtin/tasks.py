@@ -2,16 +2,19 @@
 
 Four kinds, each a user instruction and a reference response:
 - `add`: a+b with 1-4 digit operands, written zero-padded to 4 digits, and a worked chain, one
-  column at a time from the right, e.g. "0457+0038" -> "7+8=15 c1;5+3+1=9 c0;4+0+0=4 c0;0+0+0=0 c0;=495";
-- `affine`: x -> (a*x + b) mod m (m = 5 or 7) iterated k times, each step labelled,
+  column at a time from the right (digit + digit + carry = two-digit column sum, whose tens digit is
+  the next carry), then the 5-digit sum: "0457+0038" -> "7+8+0=15;5+3+1=09;4+0+0=04;0+0+0=00;=00495";
+- `affine`: x -> (a*x + b) mod m (m = 5 or 7) iterated k <= 9 times, each step labelled,
   e.g. "x=5 x->3x+2 mod 7 k=4" -> "x1=3,x2=4,x3=0,x4=2";
-- `collatz`: the trajectory to 1 (starts whose values stay below 300), e.g. "collatz 6" -> "3,10,5,16,8,4,2,1";
-- `running`: the running total of labelled single digits, e.g. "sum a3 b5 c2 d7" -> "a3,b8,c10,d17"
-  (the labels make each term findable by content, not by counting).
+- `collatz`: the trajectory to 1, three digits a value (starts whose values stay below 300),
+  e.g. "collatz 006" -> "003,010,005,016,008,004,002,001";
+- `running`: the running total of labelled single digits, two digits a total,
+  e.g. "sum a3 b5 c2 d7" -> "a03,b08,c10,d17".
 In the chained kinds every value depends on the one before it, so later tokens can only be known
 once earlier ones are committed; answer lengths range from a few characters to most of a
-128-token canvas. Every lookup a step needs is by content (labels) or at a fixed place (the
-zero-padded columns), never by counting: a model this small learns those quickly.
+128-token canvas. Every field has a fixed width, so whatever a token depends on sits at a fixed
+distance from it (or is found by its label): a model this small learns such lookups quickly, and
+what is left to learn is the arithmetic.
 
 Held-out split, by construction: a problem whose canonical key hashes to 0 mod 10 is never
 generated for training (`split="train"`) and is the only kind generated for evaluation.
@@ -26,13 +29,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 KINDS = ("add", "affine", "collatz", "running")
-DEFAULT_MIX = {"add": 0.35, "affine": 0.2, "collatz": 0.15, "running": 0.3}
+DEFAULT_MIX = {"add": 0.35, "affine": 0.25, "collatz": 0.1, "running": 0.3}
 HELD_OUT_MODULUS = 10
 MAX_RESPONSE_CHARS = 110  # leaves room for the end token in a 128-token canvas
 RUNNING_LABELS = "abcdefghij"
 AFFINE_MODULI = (5, 7)
-AFFINE_MAX_STEPS = 12
+AFFINE_MAX_STEPS = 9  # one-digit step labels keep every step the same width
 ADD_WIDTH = 4
+COLLATZ_WIDTH = 3
+RUNNING_WIDTH = 2
 COLLATZ_MAX_VALUE = 300
 COLLATZ_MAX_CHARS = 80
 
@@ -73,14 +78,13 @@ def is_held_out(kind: str, key: str) -> bool:
 
 def _add(a: int, b: int) -> Problem:
     xs, ys = f"{a:0{ADD_WIDTH}d}"[::-1], f"{b:0{ADD_WIDTH}d}"[::-1]
-    steps, carry = [], 0
-    for i in range(ADD_WIDTH):
-        x, y = int(xs[i]), int(ys[i])
+    columns, carry = [], 0
+    for x, y in zip(map(int, xs), map(int, ys), strict=True):
         total = x + y + carry
-        steps.append(f"{x}+{y}+{carry}={total} c{total // 10}" if i else f"{x}+{y}={total} c{total // 10}")
+        columns.append(f"{x}+{y}+{carry}={total:02d}")
         carry = total // 10
     prompt = f"{a:0{ADD_WIDTH}d}+{b:0{ADD_WIDTH}d}"
-    return Problem("add", f"{a}+{b}", prompt, ";".join(steps) + f";={a + b}")
+    return Problem("add", f"{a}+{b}", prompt, ";".join(columns) + f";={a + b:0{ADD_WIDTH + 1}d}")
 
 
 def collatz_trajectory(n: int) -> list[int]:
@@ -92,7 +96,7 @@ def collatz_trajectory(n: int) -> list[int]:
 
 
 COLLATZ_STARTS = tuple(s for s in range(2, 200)
-                       if len(",".join(map(str, collatz_trajectory(s)))) <= COLLATZ_MAX_CHARS
+                       if len(collatz_trajectory(s)) * (COLLATZ_WIDTH + 1) - 1 <= COLLATZ_MAX_CHARS
                        and max(collatz_trajectory(s)) < COLLATZ_MAX_VALUE)
 
 
@@ -113,13 +117,14 @@ def make_problem(kind: str, rng: random.Random) -> Problem:
         return Problem("affine", key, f"x={x} x->{a}x+{b} mod {m} k={k}", ",".join(values))
     if kind == "collatz":
         start = rng.choice(COLLATZ_STARTS)
-        return Problem("collatz", str(start), f"collatz {start}", ",".join(map(str, collatz_trajectory(start))))
+        values = ",".join(f"{v:0{COLLATZ_WIDTH}d}" for v in collatz_trajectory(start))
+        return Problem("collatz", str(start), f"collatz {start:0{COLLATZ_WIDTH}d}", values)
     if kind == "running":
         digits = [rng.randint(0, 9) for _ in range(rng.randint(3, len(RUNNING_LABELS)))]
         totals, running = [], 0
         for label, d in zip(RUNNING_LABELS, digits, strict=False):
             running += d
-            totals.append(f"{label}{running}")
+            totals.append(f"{label}{running:0{RUNNING_WIDTH}d}")
         key = "".join(map(str, digits))
         terms = " ".join(f"{label}{d}" for label, d in zip(RUNNING_LABELS, digits, strict=False))
         return Problem("running", key, f"sum {terms}", ",".join(totals))

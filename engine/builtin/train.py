@@ -1,11 +1,17 @@
 """Training the built-in tiny models on the task family, on CPU, with LLaDA's objective.
 
-Each example is the chat-templated instruction followed by a `gen_length` canvas: the reference
-response, then end tokens to the end of the canvas (as the Instruct models are trained). A mask
-ratio t ~ U(eps, 1) is drawn per example, each canvas position is masked with probability t, and
-the loss is the cross-entropy on the masked positions weighted by 1/t (LLaDA's SFT objective),
-normalised by the canvas length. Dream-format models are trained with Dream's shift: the output
-at position i-1 predicts token i.
+Each example is the chat-templated instruction followed by a canvas: the reference response, then
+end tokens to the end of the canvas (as the Instruct models are trained). A mask ratio
+t ~ U(eps, 1) is drawn per example, each canvas position is masked with probability t, and the loss
+is the cross-entropy on the masked positions weighted by 1/t (LLaDA's SFT objective), normalised by
+`gen_length`. Dream-format models are trained with Dream's shift: the output at position i-1
+predicts token i.
+
+Compute goes to the responses, not the fill: a step's examples are sorted by response length and
+split into `micro_batches`; each micro-batch gets a canvas as long as its longest response plus a
+random amount of fill, and a `full_canvas_share` of them the whole `gen_length` canvas, so the
+model still learns what a full canvas of end tokens looks like. Gradients of the micro-batches add
+up to one optimizer step.
 
 Reproducible (seeded; the examples of step s depend only on the seed and s), resumable (a training
 state is saved every `checkpoint_every` steps and on interrupt), with a progress bar showing the loss.
@@ -44,6 +50,11 @@ class TrainConfig:
     heads: int = 4
     kv_heads: Optional[int] = None  # Dream: grouped KV heads (default heads // 2)
     mlp_hidden: int = 384
+    # The released models' RoPE bases (5e5, 1e6) are for head dims of 128 and long contexts; with a
+    # head dim of ~40 they leave only two or three rotating frequencies over a 160-token sequence,
+    # too few to tell positions apart: the model then learns which tokens a prompt holds but not
+    # where. 1e4 spreads the frequencies over the lengths these tasks use.
+    rope_theta: float = 10000.0
     gen_length: int = 128
     batch_size: int = 32
     steps: int = 4000
@@ -53,11 +64,16 @@ class TrainConfig:
     weight_decay: float = 0.01
     seed: int = 0
     checkpoint_every: int = 250
+    micro_batches: int = 2
+    full_canvas_share: float = 0.25
+    max_extra_fill: int = 32
     mix: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_MIX))
 
     def __post_init__(self) -> None:
         if self.arch not in ("llada", "dream"):
             raise ValueError(f"arch must be llada or dream, got {self.arch!r}")
+        if not 1 <= self.micro_batches <= self.batch_size:
+            raise ValueError(f"micro_batches must be in 1..batch_size, got {self.micro_batches}")
 
 
 def hf_config_for(config: TrainConfig) -> dict[str, Any]:
@@ -66,9 +82,10 @@ def hf_config_for(config: TrainConfig) -> dict[str, Any]:
     if config.arch == "llada":
         # embedding_size rounded up past the tokenizer's vocabulary, as the real LLaDA does
         return llada_config(config.d_model, config.layers, config.heads, config.mlp_hidden, vocab,
-                            embedding_size=-(-vocab // 64) * 64, mask_id=mask_id, eos_id=end_id)
+                            embedding_size=-(-vocab // 64) * 64, mask_id=mask_id, eos_id=end_id,
+                            rope_theta=config.rope_theta)
     return dream_config(config.d_model, config.layers, config.heads, config.kv_heads or max(1, config.heads // 2),
-                        config.mlp_hidden, vocab, mask_id=mask_id, eos_id=end_id)
+                        config.mlp_hidden, vocab, mask_id=mask_id, eos_id=end_id, rope_theta=config.rope_theta)
 
 
 def build_model(config: TrainConfig) -> tuple[DiffusionTransformer, dict[str, Any]]:
@@ -88,14 +105,16 @@ def build_model(config: TrainConfig) -> tuple[DiffusionTransformer, dict[str, An
     return model, hf
 
 
+def _encode(texts: list[str]) -> list[list[int]]:
+    return [e.ids for e in chars.build_tokenizer().encode_batch(texts, add_special_tokens=False)]
+
+
 def encode_examples(batch: list[Problem], gen_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [B, P + gen_length] (prompts left-padded), attention mask, and the canvas mask
     (True on the gen_length positions the loss is taken over)."""
-    tokenizer = chars.build_tokenizer()
     end_id = chars.special_id(chars.END)
-    prompts = [e.ids for e in tokenizer.encode_batch([chars.render_user_prompt(p.prompt) for p in batch],
-                                                     add_special_tokens=False)]
-    responses = [e.ids for e in tokenizer.encode_batch([p.response for p in batch], add_special_tokens=False)]
+    prompts = _encode([chars.render_user_prompt(p.prompt) for p in batch])
+    responses = _encode([p.response for p in batch])
     width = max(len(p) for p in prompts)
     ids = torch.full((len(batch), width + gen_length), end_id, dtype=torch.long)
     attention = torch.zeros_like(ids)
@@ -110,8 +129,26 @@ def encode_examples(batch: list[Problem], gen_length: int) -> tuple[torch.Tensor
     return ids, attention, canvas
 
 
+def micro_batches(config: TrainConfig, batch: list[Problem],
+                  generator: torch.Generator) -> list[tuple[list[Problem], int]]:
+    """The step's examples by response length, in `micro_batches` groups, each with its canvas length."""
+    lengths = [len(ids) for ids in _encode([p.response for p in batch])]
+    order = sorted(range(len(batch)), key=lambda i: lengths[i])
+    groups = []
+    for part in torch.tensor_split(torch.tensor(order), config.micro_batches):
+        rows = part.tolist()
+        full = torch.rand(1, generator=generator).item() < config.full_canvas_share
+        extra = int(torch.randint(0, config.max_extra_fill + 1, (1,), generator=generator))
+        canvas = config.gen_length if full else min(config.gen_length, max(lengths[i] for i in rows) + 1 + extra)
+        groups.append(([batch[i] for i in rows], canvas))
+    return groups
+
+
 def masked_diffusion_loss(model: DiffusionTransformer, ids: torch.Tensor, attention: torch.Tensor,
-                          canvas: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+                          canvas: torch.Tensor, generator: torch.Generator,
+                          normaliser: Optional[int] = None) -> torch.Tensor:
+    """Mean over the batch of the 1/t-weighted masked cross-entropy, divided by `normaliser`
+    (default: each row's canvas length)."""
     batch = ids.shape[0]
     t = _MIN_MASK_RATIO + (1 - _MIN_MASK_RATIO) * torch.rand(batch, 1, generator=generator)
     masked = canvas & (torch.rand(ids.shape, generator=generator) < t)
@@ -120,7 +157,8 @@ def masked_diffusion_loss(model: DiffusionTransformer, ids: torch.Tensor, attent
     if model.logits_shifted:  # Dream: output i-1 predicts token i
         logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
     token_loss = F.cross_entropy(logits.float().transpose(1, 2), ids, reduction="none")
-    weighted = (token_loss * masked / t).sum(dim=1) / canvas.sum(dim=1)
+    per_row = canvas.sum(dim=1) if normaliser is None else normaliser
+    weighted = (token_loss * masked / t).sum(dim=1) / per_row
     return weighted.mean()
 
 
@@ -174,11 +212,15 @@ def train(config: TrainConfig, out: Path, resume: bool = False, max_minutes: Opt
                 break
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(config, step)
-            ids, attention, canvas = encode_examples(step_examples(config, step), config.gen_length)
             generator = torch.Generator().manual_seed(config.seed * 7919 + step)
-            loss = masked_diffusion_loss(model, ids, attention, canvas, generator)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss = torch.zeros(())
+            for examples, canvas_length in micro_batches(config, step_examples(config, step), generator):
+                ids, attention, canvas = encode_examples(examples, canvas_length)
+                part = masked_diffusion_loss(model, ids, attention, canvas, generator, config.gen_length)
+                part = part * len(examples) / config.batch_size
+                part.backward()
+                loss += part.detach()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             recent.append(loss.item())
