@@ -27,7 +27,7 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(tmp_path):
                               "--exclude-checks", "positive_data_acceptance", "--mode", "all",
                               "--max-examples", "400", "--seed", "20261122", "--continue-on-failure",
                               "--request-timeout", "60", "--report", "json", "--report-json-path", str(report),
-                              "--no-color"], capture_output=True, text=True, timeout=1500)
+                              "--no-color"], cwd=tmp_path, capture_output=True, text=True, timeout=1500)
         output = run.stdout + run.stderr
         assert proc.poll() is None, "the server died under fuzzing"
     summary = json.loads(report.read_text())

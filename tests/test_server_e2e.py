@@ -40,7 +40,7 @@ def test_models_version_health(server, client):
 
 
 def test_completion_with_decoding_summary(client):
-    out = client.completions.create(model="llada-tiny", prompt="<|user|>23+45<|assistant|>", max_tokens=128)
+    out = client.completions.create(model="llada-tiny", prompt="<|user|>0023+0045<|assistant|>", max_tokens=128)
     choice = out.choices[0]
     assert choice.text and choice.finish_reason in ("stop", "length")
     summary = choice.model_extra["decoding"]
@@ -50,10 +50,10 @@ def test_completion_with_decoding_summary(client):
 
 
 def test_chat_uses_the_checkpoint_template(client):
-    out = client.chat.completions.create(model="llada-tiny", messages=[{"role": "user", "content": "23+45"}])
-    raw = client.completions.create(model="llada-tiny", prompt="<|user|>23+45<|assistant|>", max_tokens=128)
+    out = client.chat.completions.create(model="llada-tiny", messages=[{"role": "user", "content": "0023+0045"}])
+    raw = client.completions.create(model="llada-tiny", prompt="<|user|>0023+0045<|assistant|>", max_tokens=128)
     assert out.choices[0].message.content == raw.choices[0].text  # the template renders the same prompt
-    assert out.usage.prompt_tokens == len("<|user|>23+45<|assistant|>") - len("<|user|>") - len("<|assistant|>") + 2
+    assert out.usage.prompt_tokens == len("<|user|>0023+0045<|assistant|>") - len("<|user|>") - len("<|assistant|>") + 2
 
 
 def test_prompt_forms(client):
@@ -69,7 +69,7 @@ def test_prompt_forms(client):
 
 
 def test_streaming_matches_and_reports_usage(client):
-    kwargs = dict(model="llada-tiny", messages=[{"role": "user", "content": "collatz 6"}], max_tokens=128)
+    kwargs = dict(model="llada-tiny", messages=[{"role": "user", "content": "collatz 006"}], max_tokens=128)
     full = client.chat.completions.create(**kwargs)
     stream = client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
     pieces, finish, usage, chunks = [], None, None, 0
@@ -224,8 +224,8 @@ def test_queue_full_is_429_with_retry_after():
     with running_server("--max-batch", "1", "--max-queue", "1") as (base, _):
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(timeout=120) as c:
-                body = {"prompt": "<|user|>1+1<|assistant|>", "max_tokens": 256,
-                        "decoding": {"policy": "fixed", "early_exit": False, "block_length": 256}}
+                body = {"prompt": "<|user|>1+1<|assistant|>", "max_tokens": 64,
+                        "decoding": {"policy": "fixed", "early_exit": False, "block_length": 64}}
                 return await asyncio.gather(*(c.post(f"{base}/v1/completions", json=body) for _ in range(4)))
 
         statuses = [r.status_code for r in asyncio.run(burst())]
@@ -267,7 +267,7 @@ def test_sigterm_drains_in_flight_requests():
     with running_server("--shutdown-timeout", "60") as (base, proc):
         async def scenario() -> tuple[httpx.Response, int]:
             async with httpx.AsyncClient(timeout=120) as c:
-                body = {"prompt": "<|user|>1+1<|assistant|>", "max_tokens": 512,
+                body = {"prompt": "<|user|>1+1<|assistant|>", "max_tokens": 256,
                         "decoding": {"policy": "fixed", "early_exit": False}}
                 in_flight = asyncio.create_task(c.post(f"{base}/v1/completions", json=body))
                 await asyncio.sleep(0.5)
