@@ -184,6 +184,8 @@ class EngineLoop:
                 self._finish(sub, result, now)
                 continue
             m.labels(m.tokens_per_step).observe(self.runner.rows_last_commits.get(request_id, 0))
+            if sub.first_token is not None and not sub.stream:
+                continue  # nothing left to learn from its committed prefix before it finishes
             ids = self.runner.stable_ids(request_id)
             if ids and sub.first_token is None:
                 sub.first_token = now
