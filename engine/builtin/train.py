@@ -145,10 +145,9 @@ def micro_batches(config: TrainConfig, batch: list[Problem],
 
 
 def masked_diffusion_loss(model: DiffusionTransformer, ids: torch.Tensor, attention: torch.Tensor,
-                          canvas: torch.Tensor, generator: torch.Generator,
-                          normaliser: Optional[int] = None) -> torch.Tensor:
-    """Mean over the batch of the 1/t-weighted masked cross-entropy, divided by `normaliser`
-    (default: each row's canvas length)."""
+                          canvas: torch.Tensor, generator: torch.Generator, normaliser: int) -> torch.Tensor:
+    """Mean over the batch of the 1/t-weighted masked cross-entropy, divided by `normaliser` (the
+    full canvas length, so micro-batches with shorter canvases weigh their tokens the same)."""
     batch = ids.shape[0]
     t = _MIN_MASK_RATIO + (1 - _MIN_MASK_RATIO) * torch.rand(batch, 1, generator=generator)
     masked = canvas & (torch.rand(ids.shape, generator=generator) < t)
@@ -157,8 +156,7 @@ def masked_diffusion_loss(model: DiffusionTransformer, ids: torch.Tensor, attent
     if model.logits_shifted:  # Dream: output i-1 predicts token i
         logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
     token_loss = F.cross_entropy(logits.float().transpose(1, 2), ids, reduction="none")
-    per_row = canvas.sum(dim=1) if normaliser is None else normaliser
-    weighted = (token_loss * masked / t).sum(dim=1) / per_row
+    weighted = (token_loss * masked / t).sum(dim=1) / normaliser
     return weighted.mean()
 
 
