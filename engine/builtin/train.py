@@ -67,6 +67,9 @@ class TrainConfig:
     micro_batches: int = 2
     full_canvas_share: float = 0.25
     max_extra_fill: int = 32
+    # Share of examples masked only after a random cut in the canvas (a response prefix stays
+    # visible): the pattern a one-token-per-step decoder meets when it fills a chain left to right.
+    prefix_mask_share: float = 0.0
     mix: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_MIX))
 
     def __post_init__(self) -> None:
@@ -74,6 +77,8 @@ class TrainConfig:
             raise ValueError(f"arch must be llada or dream, got {self.arch!r}")
         if not 1 <= self.micro_batches <= self.batch_size:
             raise ValueError(f"micro_batches must be in 1..batch_size, got {self.micro_batches}")
+        if not 0.0 <= self.prefix_mask_share <= 1.0:
+            raise ValueError(f"prefix_mask_share must be in [0, 1], got {self.prefix_mask_share}")
 
 
 def hf_config_for(config: TrainConfig) -> dict[str, Any]:
@@ -145,12 +150,22 @@ def micro_batches(config: TrainConfig, batch: list[Problem],
 
 
 def masked_diffusion_loss(model: DiffusionTransformer, ids: torch.Tensor, attention: torch.Tensor,
-                          canvas: torch.Tensor, generator: torch.Generator, normaliser: int) -> torch.Tensor:
+                          canvas: torch.Tensor, generator: torch.Generator, normaliser: int,
+                          prefix_mask_share: float = 0.0) -> torch.Tensor:
     """Mean over the batch of the 1/t-weighted masked cross-entropy, divided by `normaliser` (the
-    full canvas length, so micro-batches with shorter canvases weigh their tokens the same)."""
-    batch = ids.shape[0]
+    full canvas length, so micro-batches with shorter canvases weigh their tokens the same).
+
+    Randomness comes from the CPU `generator` whatever device the model is on, so a run on a GPU
+    sees exactly the masks a CPU run sees."""
+    batch, width = ids.shape
     t = _MIN_MASK_RATIO + (1 - _MIN_MASK_RATIO) * torch.rand(batch, 1, generator=generator)
-    masked = canvas & (torch.rand(ids.shape, generator=generator) < t)
+    masked = canvas.cpu() & (torch.rand(ids.shape, generator=generator) < t)
+    if prefix_mask_share > 0:
+        canvas_start = width - int(canvas[0].sum())
+        cut = canvas_start + (torch.rand(batch, 1, generator=generator) * (width - canvas_start)).long()
+        prefixed = torch.rand(batch, 1, generator=generator) < prefix_mask_share
+        masked &= ~prefixed | (torch.arange(width) >= cut)
+    masked, t = masked.to(ids.device), t.to(ids.device)
     noisy = ids.masked_fill(masked, model.special.mask_id)
     logits = model(noisy, attention_mask=attention)
     if model.logits_shifted:  # Dream: output i-1 predicts token i
@@ -174,19 +189,21 @@ def step_examples(config: TrainConfig, step: int) -> list[Problem]:
 
 
 def train(config: TrainConfig, out: Path, resume: bool = False, max_minutes: Optional[float] = None,
-          progress: bool = True, stop_at: Optional[int] = None) -> dict[str, Any]:
+          progress: bool = True, stop_at: Optional[int] = None, device: str = "cpu") -> dict[str, Any]:
     """Train, save the checkpoint (official format + tokenizer) to `out`, return the training log.
 
     `max_minutes` / `stop_at` end the run early (after that long / that many steps) with the
-    training state saved, so `resume=True` continues it exactly."""
+    training state saved, so `resume=True` continues it exactly. `device` only changes where the
+    arithmetic runs: the examples and masks of every step are the same on any device."""
     out.mkdir(parents=True, exist_ok=True)
     model, hf = build_model(config)
+    model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95),
                                   weight_decay=config.weight_decay)
     log: dict[str, Any] = {"config": asdict(config), "losses": [], "seconds": 0.0, "step": 0}
     state_path = out / _STATE_FILE
     if resume and state_path.exists():
-        state = torch.load(state_path, weights_only=False)
+        state = torch.load(state_path, weights_only=False, map_location=device)
         if state["log"]["config"] != asdict(config):
             raise ValueError(f"{state_path} was written with another training config; start afresh without --resume")
         model.load_state_dict(state["model"])
@@ -212,10 +229,11 @@ def train(config: TrainConfig, out: Path, resume: bool = False, max_minutes: Opt
                 group["lr"] = learning_rate(config, step)
             generator = torch.Generator().manual_seed(config.seed * 7919 + step)
             optimizer.zero_grad(set_to_none=True)
-            loss = torch.zeros(())
+            loss = torch.zeros((), device=device)
             for examples, canvas_length in micro_batches(config, step_examples(config, step), generator):
-                ids, attention, canvas = encode_examples(examples, canvas_length)
-                part = masked_diffusion_loss(model, ids, attention, canvas, generator, config.gen_length)
+                ids, attention, canvas = (x.to(device) for x in encode_examples(examples, canvas_length))
+                part = masked_diffusion_loss(model, ids, attention, canvas, generator, config.gen_length,
+                                             config.prefix_mask_share)
                 part = part * len(examples) / config.batch_size
                 part.backward()
                 loss += part.detach()
@@ -236,6 +254,7 @@ def train(config: TrainConfig, out: Path, resume: bool = False, max_minutes: Opt
     bar.close()
     save_state()
     model.eval()
+    model.to("cpu")
     save_checkpoint(model, hf, generation_config(config.arch, chars.special_id(chars.END),
                                                  chars.special_id(chars.MASK)), out)
     chars.write_tokenizer_files(out)
