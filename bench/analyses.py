@@ -42,11 +42,12 @@ def trace_fixed_decoding(engine: Engine, prompts: list[list[int]], gen_length: i
     model = engine.model
     mask_id, pad_id = model.special.mask_id, model.special.pad_id
     shift = 1 if model.logits_shifted else 0
+    device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width + gen_length), pad_id, dtype=torch.long)
+    ids = torch.full((len(prompts), width + gen_length), pad_id, dtype=torch.long, device=device)
     attention = torch.zeros_like(ids)
     for i, prompt in enumerate(prompts):
-        ids[i, width - len(prompt):width] = torch.tensor(prompt)
+        ids[i, width - len(prompt):width] = torch.tensor(prompt, device=device)
         attention[i, width - len(prompt):] = 1
     ids[:, width:] = mask_id
     predictions, first_conf = [], torch.zeros(len(prompts), gen_length)
@@ -61,13 +62,13 @@ def trace_fixed_decoding(engine: Engine, prompts: list[list[int]], gen_length: i
             predictions.append(x0)
             if step == 0:
                 first_conf[:, block * block_length:(block + 1) * block_length] = \
-                    conf[:, block * block_length:(block + 1) * block_length]
+                    conf[:, block * block_length:(block + 1) * block_length].cpu()
             block_conf = conf[:, start - width:start - width + block_length].clone()
             block_conf[ids[:, start:start + block_length] != mask_id] = -1.0
             pick = block_conf.argmax(-1)
-            rows = torch.arange(len(prompts))
+            rows = torch.arange(len(prompts), device=device)
             ids[rows, start + pick] = x0[rows, start - width + pick]
-    return torch.stack(predictions, dim=1), first_conf, ids[:, width:]
+    return torch.stack(predictions, dim=1).cpu(), first_conf, ids[:, width:].cpu()
 
 
 def stabilization_steps(predictions: torch.Tensor) -> torch.Tensor:
@@ -85,8 +86,10 @@ def confidence_vs_stabilization(engine: Engine, problems, gen_length: int, block
     prompts = [chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": p.prompt}]) for p in problems]
     end_ids = set(engine.model.special.end_ids)
     per_band: list[list[int]] = [[], [], []]
-    for i in range(0, len(prompts), 8):
-        predictions, first_conf, final = trace_fixed_decoding(engine, prompts[i:i + 8], gen_length, block_length)
+    chunk = engine.config.max_batch
+    for i in range(0, len(prompts), chunk):
+        predictions, first_conf, final = trace_fixed_decoding(engine, prompts[i:i + chunk], gen_length,
+                                                              block_length)
         # one step per token: block b is decoded during steps [b * block_length, (b + 1) * block_length)
         stable = torch.cat([stabilization_steps(predictions[:, b * block_length:(b + 1) * block_length,
                                                             b * block_length:(b + 1) * block_length])
@@ -131,7 +134,7 @@ def steps_saved_per_block(engine: Engine, problems, gen_length: int, block_lengt
 
     params = resolve_defaults(DecodeParams.from_dict(config.params), architecture)
     prompts = [chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": p.prompt}]) for p in problems]
-    results = generate(engine.model, prompts, params, max_batch=8)
+    results = generate(engine.model, prompts, params, max_batch=engine.config.max_batch)
     blocks = gen_length // block_length
     per_block = [0.0] * blocks
     for result in results:
@@ -159,7 +162,7 @@ def generation_length_sweep(engine: Engine, problems, out: Path, architecture: s
                    EvalConfig("Fast-dLLM (thr 0.9, dual)", {**base, "policy": "threshold", "threshold": 0.9,
                                                             "cache": "dual"}),
                    EvalConfig("CAI", {**base, "policy": "cai", "cache": "dual", "refresh_interval": refresh})]
-        for report in evaluate(engine, fitting, configs):
+        for report in evaluate(engine, fitting, configs, batch_size=engine.config.max_batch):
             d = report.as_dict()
             rows.setdefault(report.name, {})[gen_length] = {
                 "n": d["n"], "accuracy": d["accuracy"], "nfe_per_request": d["nfe_per_request"],
@@ -185,9 +188,11 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=200)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("docs/figures"))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch-size", type=int, default=8, help="rows decoded together")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    engine = Engine(EngineConfig(model=args.model))
+    engine = Engine(EngineConfig(model=args.model, device=args.device, max_batch=args.batch_size))
     name = Path(args.model).name
     problems = held_out_problems(args.n, args.seed)
     started = time.perf_counter()

@@ -57,10 +57,11 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=64)
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     decoding = {"policy": "cai", "cache": "dual", "refresh_interval": 16, "block_length": 32}
 
-    engine = Engine(EngineConfig(model=args.model, max_batch=8))
+    engine = Engine(EngineConfig(model=args.model, max_batch=8, device=args.device))
     problems = held_out_problems(args.n, args.seed)
     messages = [[{"role": "user", "content": p.prompt}] for p in problems]
     prompts = [chat_prompt_ids(engine.tokenizer, m) for m in messages]
@@ -73,7 +74,8 @@ def main() -> None:
 
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", args.model, "--port", str(port),
-                               "--max-batch", "8", "--log-level", "warning"], cwd=REPO, env=dict(os.environ))
+                               "--max-batch", "8", "--device", args.device,
+                               "--log-level", "warning"], cwd=REPO, env=dict(os.environ))
     base = f"http://127.0.0.1:{port}"
     try:
         while True:

@@ -36,6 +36,15 @@ RUNS: dict[str, dict[str, Any]] = {
     "dream base": {"arch": "dream"},
     "dream lr4e-3": {"arch": "dream", "lr": 4e-3},
     "dream prefix0.5": {"arch": "dream", "prefix_mask_share": 0.5},
+    # second round: depth won the first; schedules sized to what 2 CPU threads do in ~44 minutes
+    "llada d128L6 lr3e-3 wd0.1": {"arch": "llada", **DEEP, "lr": 3e-3, "weight_decay": 0.1, "steps": 8000},
+    "llada d96L8 lr3e-3 wd0.1": {"arch": "llada", "d_model": 96, "layers": 8, "mlp_hidden": 288, "lr": 3e-3,
+                                 "weight_decay": 0.1, "steps": 8000},
+    "llada d128L8 lr3e-3 wd0.1": {"arch": "llada", **DEEP, "layers": 8, "lr": 3e-3, "weight_decay": 0.1,
+                                  "steps": 6000},
+    "dream d128L6 lr3e-3 wd0.1": {"arch": "dream", **DEEP, "lr": 3e-3, "weight_decay": 0.1, "steps": 8000},
+    "dream d96L8 lr3e-3 wd0.1": {"arch": "dream", "d_model": 96, "layers": 8, "mlp_hidden": 288, "lr": 3e-3,
+                                 "weight_decay": 0.1, "steps": 8000},
 }
 
 
@@ -57,7 +66,8 @@ def _run(name: str, overrides: dict[str, Any], args: argparse.Namespace, queue: 
 
     torch.set_num_threads(1)
     overrides = dict(overrides)
-    scale = overrides.pop("steps_scale", 1.0)
+    steps = overrides.pop("steps", args.steps)
+    scale = overrides.pop("steps_scale", 1.0) * steps / args.steps
     config = TrainConfig(**{**BASE, **overrides, "steps": int(args.steps * scale)})
     out = Path(args.out) / name.replace(" ", "_")
     problems = held_out_problems(args.n_eval, args.seed)

@@ -95,9 +95,10 @@ def _train(args: argparse.Namespace) -> int:
     config = TrainConfig(arch=args.arch, d_model=args.d_model, layers=args.layers, heads=args.heads,
                          mlp_hidden=args.mlp_hidden, rope_theta=args.rope_theta,
                          batch_size=args.batch_size, steps=args.steps, lr=args.lr,
-                         warmup=args.warmup, seed=args.seed, micro_batches=args.micro_batches,
-                         full_canvas_share=args.full_canvas_share, max_extra_fill=args.max_extra_fill)
-    log = train(config, Path(args.out), resume=args.resume, max_minutes=args.max_minutes)
+                         warmup=args.warmup, weight_decay=args.weight_decay, seed=args.seed,
+                         micro_batches=args.micro_batches, full_canvas_share=args.full_canvas_share,
+                         max_extra_fill=args.max_extra_fill, prefix_mask_share=args.prefix_mask_share)
+    log = train(config, Path(args.out), resume=args.resume, max_minutes=args.max_minutes, device=args.device)
     last = log["losses"][-1][1] if log["losses"] else float("nan")
     print(f"trained {log['step']} steps in {log['seconds'] / 60:.1f} min; final loss {last:.4f}; saved to {args.out}")
     return 0
@@ -283,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--json", help="also write the full report, every request included, to this file")
     bs.set_defaults(func=_bench_serve)
 
-    tr = sub.add_parser("train", help="train a built-in tiny model on the task family (CPU)")
+    tr = sub.add_parser("train", help="train a built-in tiny model on the task family")
     tr.add_argument("--arch", choices=("llada", "dream"), default="llada")
     tr.add_argument("--out", required=True)
     tr.add_argument("--d-model", type=int, default=128)
@@ -296,10 +297,14 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--steps", type=int, default=4000)
     tr.add_argument("--lr", type=float, default=1e-3)
     tr.add_argument("--warmup", type=int, default=200)
+    tr.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--micro-batches", type=int, default=2, help="length-sorted groups per step, each its own canvas")
     tr.add_argument("--full-canvas-share", type=float, default=0.25, help="share of groups given the full canvas")
     tr.add_argument("--max-extra-fill", type=int, default=32, help="most end tokens after the longest response")
+    tr.add_argument("--prefix-mask-share", type=float, default=0.0,
+                    help="share of examples masked only after a random cut in the canvas")
+    tr.add_argument("--device", default="cpu", help="where the arithmetic runs (examples and masks are the same)")
     tr.add_argument("--threads", type=int)
     tr.add_argument("--max-minutes", type=float, help="stop (and save) after this long")
     tr.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")

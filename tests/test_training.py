@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import load_model, load_tokenizer
-from engine.builtin.train import TrainConfig, train
+from engine.builtin.train import TrainConfig, masked_diffusion_loss, train
 from engine.checkpoint import CheckpointFiles
 
 
@@ -50,3 +50,49 @@ def test_resume_continues_exactly(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ValueError, match="another training config"):
         train(_small("llada", 40), tmp_path / "resumed", resume=True, progress=False)
+
+
+class _RecordingModel(torch.nn.Module):
+    """Stands in for a model: remembers the noisy input it was given, returns uniform logits."""
+
+    logits_shifted = False
+
+    def __init__(self, vocab: int, mask_id: int) -> None:
+        super().__init__()
+        self.special = type("Special", (), {"mask_id": mask_id})()
+        self.bias = torch.nn.Parameter(torch.zeros(vocab))
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        self.seen.append(ids.clone())
+        return self.bias.expand(*ids.shape, -1)
+
+
+def test_prefix_masking_keeps_a_response_prefix_visible():
+    mask_id, canvas_len, prompt_len = 5, 40, 10
+    ids = torch.randint(0, 5, (512, prompt_len + canvas_len))
+    attention = torch.ones_like(ids)
+    canvas = torch.zeros_like(ids, dtype=torch.bool)
+    canvas[:, prompt_len:] = True
+    model = _RecordingModel(8, mask_id)
+    loss = masked_diffusion_loss(model, ids, attention, canvas, torch.Generator().manual_seed(0), canvas_len,
+                                 prefix_mask_share=1.0)
+    loss.backward()
+    masked = model.seen[0] == mask_id
+    assert not masked[:, :prompt_len].any()  # the prompt is never masked
+    # a cut drawn uniformly over the canvas: early positions are rarely after it, late ones usually
+    rate = masked[:, prompt_len:].float().mean(0)
+    assert rate[:8].mean() < 0.5 * rate[-8:].mean()
+    first = [int(row.nonzero()[0]) for row in masked[:, prompt_len:] if row.any()]
+    assert len(set(first)) > 5  # the cut moves from example to example
+
+    plain = _RecordingModel(8, mask_id)
+    masked_diffusion_loss(plain, ids, attention, canvas, torch.Generator().manual_seed(0), canvas_len)
+    plain_rate = (plain.seen[0] == mask_id)[:, prompt_len:].float().mean(0)
+    assert plain_rate[:8].mean() > 0.7 * plain_rate[-8:].mean()  # LLaDA's draw: uniform over the canvas
+    assert (plain.seen[0] == mask_id).sum() > masked.sum()
+
+
+def test_prefix_mask_share_is_validated():
+    with pytest.raises(ValueError, match="prefix_mask_share"):
+        TrainConfig(prefix_mask_share=1.5)
