@@ -27,7 +27,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from engine import Engine, EngineConfig
-from engine.builtin.evaluate import EvalConfig, evaluate, hardware, held_out_problems
+from engine.builtin.evaluate import EvalConfig, dual_cache_refresh, evaluate, hardware, held_out_problems
 from engine.chat import chat_prompt_ids
 from engine.decoding.policies import CONF_HIGH, CONF_LOW
 
@@ -125,7 +125,7 @@ def confidence_vs_stabilization(engine: Engine, problems, gen_length: int, block
 
 def steps_saved_per_block(engine: Engine, problems, gen_length: int, block_length: int, out: Path,
                           architecture: str) -> dict:
-    refresh = 16 if architecture == "llada" else 8
+    refresh = dual_cache_refresh(architecture)
     config = EvalConfig("CAI full", {"policy": "cai", "gen_length": gen_length, "block_length": block_length,
                                      "steps": gen_length, "cache": "dual", "refresh_interval": refresh,
                                      "early_exit": False})
@@ -152,7 +152,7 @@ def steps_saved_per_block(engine: Engine, problems, gen_length: int, block_lengt
 
 
 def generation_length_sweep(engine: Engine, problems, out: Path, architecture: str) -> dict:
-    refresh = 16 if architecture == "llada" else 8
+    refresh = dual_cache_refresh(architecture)
     rows: dict[str, dict] = {}
     for gen_length in (32, 64, 128):
         block = min(32, gen_length)

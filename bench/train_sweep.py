@@ -61,17 +61,17 @@ def _run(name: str, overrides: dict[str, Any], args: argparse.Namespace, queue: 
     import torch
 
     from engine import Engine, EngineConfig
-    from engine.builtin.evaluate import EvalConfig, evaluate, held_out_problems
+    from engine.builtin.evaluate import default_configs, evaluate, held_out_problems
     from engine.builtin.train import TrainConfig, train
 
     torch.set_num_threads(1)
     overrides = dict(overrides)
-    steps = overrides.pop("steps", args.steps)
-    scale = overrides.pop("steps_scale", 1.0) * steps / args.steps
-    config = TrainConfig(**{**BASE, **overrides, "steps": int(args.steps * scale)})
+    steps = overrides.pop("steps", int(args.steps * overrides.pop("steps_scale", 1.0)))
+    config = TrainConfig(**{**BASE, **overrides, "steps": steps})
+    scale = config.steps / args.steps  # the scoring points move with a run's own schedule
     out = Path(args.out) / name.replace(" ", "_")
     problems = held_out_problems(args.n_eval, args.seed)
-    fixed = EvalConfig("fixed+exit", {"gen_length": 128, "block_length": 32, "steps": 128, "policy": "fixed"})
+    fixed = next(c for c in default_configs(config.arch) if c.name == "fixed+exit")
     started = time.perf_counter()
     for at in sorted({int(int(s) * scale) for s in args.evals.split(",")}):
         log = train(config, out, resume=True, stop_at=at, progress=False, device=args.device,

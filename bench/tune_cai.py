@@ -14,16 +14,15 @@ import argparse
 from typing import Any
 
 from engine import Engine, EngineConfig
-from engine.builtin.evaluate import EvalConfig, evaluate, format_table, hardware
+from engine.builtin.evaluate import EvalConfig, default_configs, dual_cache_refresh, evaluate, format_table, hardware
 from engine.builtin.tasks import sample
 
 VALIDATION_SEED = 99_991
 
 
 def candidates(architecture: str) -> list[EvalConfig]:
-    refresh = 16 if architecture == "llada" else 8
     base: dict[str, Any] = {"gen_length": 128, "block_length": 32, "steps": 128, "policy": "cai", "cache": "dual",
-                            "refresh_interval": refresh}
+                            "refresh_interval": dual_cache_refresh(architecture)}
     rows = [("paper defaults", {}),
             ("gate off", {"gating": False}),
             ("budgets off", {"budgets": False}),
@@ -37,11 +36,10 @@ def candidates(architecture: str) -> list[EvalConfig]:
             ("grinding off, no cache", {"grinding": False, "cache": "none"}),
             ("grinding off, theta_s .99 theta_e .9, no cache", {"grinding": False, "theta_s": 0.99, "theta_e": 0.9,
                                                                  "cache": "none"})]
-    return [EvalConfig(name, {**base, **knobs}) for name, knobs in rows] + [
-        EvalConfig("fixed+exit (reference)", {"gen_length": 128, "block_length": 32, "steps": 128, "policy": "fixed"}),
-        EvalConfig("Fast-dLLM (reference)", {"gen_length": 128, "block_length": 32, "steps": 128,
-                                              "policy": "threshold", "threshold": 0.9, "cache": "dual",
-                                              "early_exit": False})]
+    benchmark = {c.name: c for c in default_configs(architecture)}
+    references = [EvalConfig(f"{label} (reference)", benchmark[name].params)
+                  for label, name in (("fixed+exit", "fixed+exit"), ("Fast-dLLM", "threshold 0.9 dual (Fast-dLLM)"))]
+    return [EvalConfig(name, {**base, **knobs}) for name, knobs in rows] + references
 
 
 def main() -> None:

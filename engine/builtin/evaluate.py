@@ -30,10 +30,15 @@ class EvalConfig:
     params: dict[str, Any]
 
 
+def dual_cache_refresh(architecture: str) -> int:
+    """Steps between full refreshes of the dual cache in the benchmark rows (the papers' settings)."""
+    return 16 if architecture == "llada" else 8
+
+
 def default_configs(architecture: str, gen_length: int = 128, block_length: int = 32) -> list[EvalConfig]:
     """The paper's comparison and ablation rows, on the built-in canvas."""
     base = {"gen_length": gen_length, "block_length": block_length, "steps": gen_length}
-    refresh = 16 if architecture == "llada" else 8
+    refresh = dual_cache_refresh(architecture)
     cai = {**base, "policy": "cai", "cache": "dual", "refresh_interval": refresh}
     rows = [
         EvalConfig("fixed", {**base, "policy": "fixed", "early_exit": False}),
