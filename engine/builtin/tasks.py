@@ -4,11 +4,10 @@ Four kinds, each a user instruction and a reference response:
 - `add`: a+b with 1-4 digit operands, written zero-padded to 4 digits, and a worked chain, one
   column at a time from the right (digit + digit + carry = two-digit column sum, whose tens digit is
   the next carry), then the 5-digit sum: "0457+0038" -> "7+8+0=15;5+3+1=09;4+0+0=04;0+0+0=00;=00495";
-- `affine`: x -> (a*x + b) mod m (m = 5 or 7) iterated 2-6 times, each step worked as
-  product, sum and remainder, e.g. "x=5 x->3x+2 mod 7 k=2" -> "3*5=15+2=17%7=3,3*3=09+2=11%7=4";
-- `collatz`: the trajectory to 1, three digits a value, each tagged with the rule that made it
-  (h: halved, t: tripled plus one; starts whose values stay below 300),
-  e.g. "collatz 006" -> "h003,t010,h005,t016,h008,h004,h002,h001";
+- `affine`: x -> (a*x + b) mod m (m = 5 or 7) iterated k <= 9 times, each step labelled,
+  e.g. "x=5 x->3x+2 mod 7 k=4" -> "x1=3,x2=4,x3=0,x4=2";
+- `collatz`: the trajectory to 1, three digits a value (starts whose values stay below 300),
+  e.g. "collatz 006" -> "003,010,005,016,008,004,002,001";
 - `running`: the running total of labelled single digits, two digits a total,
   e.g. "sum a3 b5 c2 d7" -> "a03,b08,c10,d17".
 In the chained kinds every value depends on the one before it, so later tokens can only be known
@@ -25,27 +24,22 @@ from __future__ import annotations
 
 import hashlib
 import random
-import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
 KINDS = ("add", "affine", "collatz", "running")
-DEFAULT_MIX = {"add": 0.25, "affine": 0.3, "collatz": 0.15, "running": 0.3}
+DEFAULT_MIX = {"add": 0.35, "affine": 0.25, "collatz": 0.1, "running": 0.3}
 HELD_OUT_MODULUS = 10
 MAX_RESPONSE_CHARS = 110  # leaves room for the end token in a 128-token canvas
 RUNNING_LABELS = "abcdefghij"
 AFFINE_MODULI = (5, 7)
-AFFINE_STEPS = (2, 6)  # six 15-character worked steps fill most of the canvas
+AFFINE_MAX_STEPS = 9  # one-digit step labels keep every step the same width
 ADD_WIDTH = 4
 COLLATZ_WIDTH = 3
 RUNNING_WIDTH = 2
 COLLATZ_MAX_VALUE = 300
-COLLATZ_MAX_CHARS = 90
-COLLATZ_RULE_TAGS = {0: "h", 1: "t"}  # by the parity of the value the rule is applied to
-# Every response of a kind has this shape; anything else is an answer that fails to parse.
-AFFINE_STEP = re.compile(r"\d\*\d=\d\d\+\d=\d\d%\d=\d")
-COLLATZ_STEP = re.compile(r"[ht]\d{3}")
+COLLATZ_MAX_CHARS = 80
 
 
 @dataclass(frozen=True)
@@ -73,9 +67,7 @@ def answer_of(kind: str, response: str) -> Optional[str]:
     if kind == "running":
         parts = [p[1:] for p in parts if p[:1].isalpha()] if all(p[:1].isalpha() for p in parts) else [""]
     if kind == "affine":
-        parts = ["0" if AFFINE_STEP.fullmatch(p) else "" for p in parts]
-    if kind == "collatz":
-        parts = [p[1:] if COLLATZ_STEP.fullmatch(p) else "" for p in parts]
+        parts = [p.partition("=")[2] if p.startswith("x") and "=" in p else "" for p in parts]
     return text if text and all(p.isdigit() for p in parts) else None
 
 
@@ -95,20 +87,6 @@ def _add(a: int, b: int) -> Problem:
     return Problem("add", f"{a}+{b}", prompt, ";".join(columns) + f";={a + b:0{ADD_WIDTH + 1}d}")
 
 
-def _affine_step(a: int, x: int, b: int, m: int) -> tuple[int, str]:
-    product = a * x
-    y = (product + b) % m
-    return y, f"{a}*{x}={product:02d}+{b}={product + b:02d}%{m}={y}"
-
-
-def _collatz_steps(start: int) -> list[str]:
-    steps, n = [], start
-    for value in collatz_trajectory(start):
-        steps.append(f"{COLLATZ_RULE_TAGS[n % 2]}{value:0{COLLATZ_WIDTH}d}")
-        n = value
-    return steps
-
-
 def collatz_trajectory(n: int) -> list[int]:
     out = []
     while n != 1:
@@ -118,7 +96,7 @@ def collatz_trajectory(n: int) -> list[int]:
 
 
 COLLATZ_STARTS = tuple(s for s in range(2, 200)
-                       if len(collatz_trajectory(s)) * (COLLATZ_WIDTH + 2) - 1 <= COLLATZ_MAX_CHARS
+                       if len(collatz_trajectory(s)) * (COLLATZ_WIDTH + 1) - 1 <= COLLATZ_MAX_CHARS
                        and max(collatz_trajectory(s)) < COLLATZ_MAX_VALUE)
 
 
@@ -130,17 +108,17 @@ def make_problem(kind: str, rng: random.Random) -> Problem:
     if kind == "affine":
         m = rng.choice(AFFINE_MODULI)
         a, b, x, k = (rng.randint(1, m - 1), rng.randint(0, m - 1), rng.randint(0, m - 1),
-                      rng.randint(*AFFINE_STEPS))
-        steps, y = [], x
-        for _ in range(k):
-            y, step = _affine_step(a, y, b, m)
-            steps.append(step)
+                      rng.randint(3, AFFINE_MAX_STEPS))
+        values, y = [], x
+        for i in range(k):
+            y = (a * y + b) % m
+            values.append(f"x{i + 1}={y}")
         key = f"{x},{a},{b},{m},{k}"
-        return Problem("affine", key, f"x={x} x->{a}x+{b} mod {m} k={k}", ",".join(steps))
+        return Problem("affine", key, f"x={x} x->{a}x+{b} mod {m} k={k}", ",".join(values))
     if kind == "collatz":
         start = rng.choice(COLLATZ_STARTS)
-        return Problem("collatz", str(start), f"collatz {start:0{COLLATZ_WIDTH}d}",
-                       ",".join(_collatz_steps(start)))
+        values = ",".join(f"{v:0{COLLATZ_WIDTH}d}" for v in collatz_trajectory(start))
+        return Problem("collatz", str(start), f"collatz {start:0{COLLATZ_WIDTH}d}", values)
     if kind == "running":
         digits = [rng.randint(0, 9) for _ in range(rng.randint(3, len(RUNNING_LABELS)))]
         totals, running = [], 0
