@@ -4,7 +4,9 @@ The same held-out chat prompts and decoding knobs go (a) through `engine.generat
 max_batch 8 in this process, (b) through a `cai-dllm serve` subprocess from 1 client at a time and
 (c) from 8 concurrent clients. Reported: generated tokens/s (completion tokens only, wall clock),
 the server/offline ratio at concurrency 8, and the speed-up of 8 clients over 1. Every request is
-checked to give the same text through the server as offline (temperature 0).
+checked to give the same text through the server as offline (temperature 0). Also reported: engine
+steps, mean rows per step (offline: counted around the runner's step; server: from /metrics) and the
+mean time a server request waited for a row, which together say where the server's time goes.
 
     python bench/server_vs_offline.py --model models/llada-tiny --n 64
 """
@@ -15,10 +17,13 @@ import argparse
 import asyncio
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import httpx
 import torch
@@ -27,6 +32,7 @@ from engine import Engine, EngineConfig
 from engine.builtin.evaluate import hardware, held_out_problems
 from engine.chat import chat_prompt_ids
 from engine.decoding import DecodeParams
+from engine.decoding.runner import BlockDiffusionRunner
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,6 +57,10 @@ async def run_clients(base: str, bodies: list[dict], concurrency: int) -> tuple[
         return time.perf_counter() - start, list(results)
 
 
+def metric_sum(metrics_text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in metrics_text.splitlines() if line.startswith(name + "{"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(REPO / "models" / "llada-tiny"))
@@ -58,6 +68,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--admission-wait-ms", type=float, help="passed to the server (default: its own)")
+    parser.add_argument("--repeats", type=int, default=5, help="alternating offline / 8-client runs")
     args = parser.parse_args()
     decoding = {"policy": "cai", "cache": "dual", "refresh_interval": 16, "block_length": 32}
 
@@ -67,50 +79,111 @@ def main() -> None:
     prompts = [chat_prompt_ids(engine.tokenizer, m) for m in messages]
     params = engine.default_params(DecodeParams(gen_length=args.max_tokens, steps=args.max_tokens, **decoding))
     engine.generate(prompts[:8], params)  # warm-up
-    start = time.perf_counter()
-    offline = engine.generate(prompts, params)
-    offline_seconds = time.perf_counter() - start
-    offline_tokens = sum(len(r.response_ids) for r in offline)
 
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", args.model, "--port", str(port),
-                               "--max-batch", "8", "--device", args.device,
-                               "--log-level", "warning"], cwd=REPO, env=dict(os.environ))
+                               "--max-batch", "8", "--device", args.device, "--log-level", "warning",
+                               *(["--admission-wait-ms", str(args.admission_wait_ms)]
+                                 if args.admission_wait_ms is not None else [])], cwd=REPO, env=dict(os.environ))
     base = f"http://127.0.0.1:{port}"
+    offline_runs: list[Run] = []
+    server_runs: dict[int, list[Run]] = {1: [], 8: []}
     try:
-        while True:
-            try:
-                if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None:
-                raise RuntimeError("server exited")
-            time.sleep(0.2)
+        wait_ready(base, server)
         bodies = [{"model": Path(args.model).name, "messages": m, "max_tokens": args.max_tokens,
                    "decoding": decoding} for m in messages]
         asyncio.run(run_clients(base, bodies[:8], 8))  # warm-up
-        rows = {}
-        for concurrency in (1, 8):
-            seconds, results = asyncio.run(run_clients(base, bodies, concurrency))
-            tokens = sum(r["usage"]["completion_tokens"] for r in results)
-            same = sum(r["choices"][0]["message"]["content"] == o.text for r, o in zip(results, offline, strict=True))
-            rows[concurrency] = (seconds, tokens, same)
+        # Offline and 8-client runs alternate, so a slow spell of this shared machine hits both.
+        for _ in range(args.repeats):
+            offline, run = run_offline(engine, prompts, params)
+            offline_runs.append(run)
+            server_runs[8].append(run_server(base, bodies, 8, offline))
+        server_runs[1].append(run_server(base, bodies, 1, offline))
     finally:
         server.terminate()
         server.wait(60)
 
-    print(f"# {args.n} held-out chat requests, max_tokens {args.max_tokens}, decoding {decoding}")
+    print(f"# {args.n} held-out chat requests, max_tokens {args.max_tokens}, decoding {decoding}, "
+          f"server admission wait {args.admission_wait_ms if args.admission_wait_ms is not None else 'default'} ms; "
+          f"median of {args.repeats} alternating offline / 8-client runs")
     print(f"# {hardware()}, torch {torch.__version__}, model {args.model}")
-    print(f"{'setting':24s} {'seconds':>8s} {'gen tokens':>10s} {'tokens/s':>9s} {'same text':>9s}")
-    print(f"{'offline (max_batch 8)':24s} {offline_seconds:8.2f} {offline_tokens:10d} "
-          f"{offline_tokens / offline_seconds:9.1f} {'-':>9s}")
-    for concurrency, (seconds, tokens, same) in rows.items():
-        print(f"{f'server, {concurrency} client(s)':24s} {seconds:8.2f} {tokens:10d} {tokens / seconds:9.1f} "
-              f"{same:>4d}/{args.n}")
-    server8 = rows[8][1] / rows[8][0]
-    print(f"server(8) / offline throughput: {server8 / (offline_tokens / offline_seconds):.3f}")
-    print(f"server 8 clients / 1 client throughput: {server8 / (rows[1][1] / rows[1][0]):.2f}x")
+    print(f"{'setting':24s} {'seconds':>8s} {'gen tokens':>10s} {'tokens/s':>9s} {'same text':>9s} {'steps':>6s} "
+          f"{'rows/step':>9s} {'queue ms':>8s}")
+    named = [("offline (max_batch 8)", offline_runs)] + [(f"server, {c} client(s)", r) for c, r in server_runs.items()]
+    for name, runs in named:
+        run = median_run(runs)
+        same = f"{run.same:>4d}/{args.n}" if run.same is not None else "-"
+        queue = f"{run.queue_ms:8.1f}" if run.queue_ms is not None else "-"
+        print(f"{name:24s} {run.seconds:8.2f} {run.tokens:10d} {run.tokens_per_s:9.1f} {same:>9s} {run.steps:6d} "
+              f"{run.rows_per_step:9.2f} {queue:>8s}")
+    ratios = [s.tokens_per_s / o.tokens_per_s for s, o in zip(server_runs[8], offline_runs, strict=True)]
+    print(f"server(8) / offline throughput, run by run: {' '.join(f'{r:.3f}' for r in ratios)}; "
+          f"median {statistics.median(ratios):.3f}")
+    print(f"server(8) / offline rows per step: "
+          f"{median_run(server_runs[8]).rows_per_step / median_run(offline_runs).rows_per_step:.3f}")
+    print(f"server 8 clients / 1 client throughput: "
+          f"{median_run(server_runs[8]).tokens_per_s / server_runs[1][0].tokens_per_s:.2f}x")
+
+
+@dataclass
+class Run:
+    seconds: float
+    tokens: int
+    steps: int
+    rows_per_step: float
+    same: Optional[int] = None
+    queue_ms: Optional[float] = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def median_run(runs: list[Run]) -> Run:
+    return sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
+
+
+def wait_ready(base: str, server: subprocess.Popen) -> None:
+    while True:
+        try:
+            if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if server.poll() is not None:
+            raise RuntimeError("server exited")
+        time.sleep(0.2)
+
+
+def run_offline(engine: Engine, prompts: list[list[int]], params: DecodeParams) -> tuple[list, Run]:
+    """`engine.generate` on every prompt, counting the rows of each runner step on the side."""
+    step_rows: list[int] = []
+    unobserved_step = BlockDiffusionRunner.step
+
+    def observed_step(runner: BlockDiffusionRunner) -> list:
+        step_rows.append(runner.num_active)
+        return unobserved_step(runner)
+
+    BlockDiffusionRunner.step = observed_step  # type: ignore[method-assign]
+    try:
+        start = time.perf_counter()
+        results = engine.generate(prompts, params)
+        seconds = time.perf_counter() - start
+    finally:
+        BlockDiffusionRunner.step = unobserved_step  # type: ignore[method-assign]
+    tokens = sum(len(r.response_ids) for r in results)
+    return results, Run(seconds, tokens, len(step_rows), sum(step_rows) / len(step_rows))
+
+
+def run_server(base: str, bodies: list[dict], concurrency: int, offline: list) -> Run:
+    watched = ("caidllm:batch_size_sum", "caidllm:batch_size_count", "caidllm:request_queue_time_seconds_sum")
+    before = httpx.get(f"{base}/metrics").text
+    seconds, results = asyncio.run(run_clients(base, bodies, concurrency))
+    after = httpx.get(f"{base}/metrics").text
+    rows_sum, steps, queued = (metric_sum(after, w) - metric_sum(before, w) for w in watched)
+    tokens = sum(r["usage"]["completion_tokens"] for r in results)
+    same = sum(r["choices"][0]["message"]["content"] == o.text for r, o in zip(results, offline, strict=True))
+    return Run(seconds, tokens, int(steps), rows_sum / steps, same, 1000 * queued / len(results))
 
 
 if __name__ == "__main__":

@@ -76,7 +76,8 @@ class AppState:
             engine = factory(self.settings)
             meter = self.meter or open_meter(self.settings.device)
             self.meter = meter
-            loop = EngineLoop(engine, self.settings.max_queue, self.metrics, meter)
+            loop = EngineLoop(engine, self.settings.max_queue, self.metrics, meter,
+                              admission_wait=self.settings.admission_wait_ms / 1000)
             engine.generate([[0]], engine.default_params().with_overrides(gen_length=4, block_length=4))  # warm-up
             self.serving = Serving(engine, loop, self.settings, self.metrics)
             self.engine, self.loop = engine, loop

@@ -147,7 +147,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     flags = {name: getattr(args, name) for name in (
         "model", "served_model_name", "host", "port", "device", "dtype", "max_batch", "max_queue", "max_model_len",
-        "max_n", "api_key", "request_timeout", "shutdown_timeout", "stall_timeout", "log_level")}
+        "max_n", "api_key", "request_timeout", "shutdown_timeout", "stall_timeout", "admission_wait_ms",
+        "log_level")}
     if args.default_decoding is not None:
         try:
             flags["default_decoding"] = json.loads(args.default_decoding)
@@ -264,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--request-timeout", type=float, help="seconds (default 600)")
     sv.add_argument("--shutdown-timeout", type=float, help="seconds to finish in-flight work on SIGTERM (default 30)")
     sv.add_argument("--stall-timeout", type=float, help="/health fails after this many seconds without progress")
+    sv.add_argument("--admission-wait-ms", type=float,
+                    help="after a step frees rows, wait up to this long for new requests to fill them "
+                         "before the next step (default 0: never wait)")
     sv.add_argument("--log-level")
     sv.set_defaults(func=_serve)
 

@@ -32,6 +32,10 @@ class ServerSettings:
     request_timeout: float = 600.0
     shutdown_timeout: float = 30.0
     stall_timeout: float = 60.0  # /health fails when work is pending and no step finished for this long
+    # after a step frees rows, hold the next one this long at most for their clients' next requests
+    # (server/scheduler.py); off by default: on a 2-core CPU it bought fuller batches at an equal
+    # cost in step time (bench/results/server_vs_offline_cpu.txt)
+    admission_wait_ms: float = 0.0
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -42,6 +46,8 @@ class ServerSettings:
         for name in ("request_timeout", "shutdown_timeout", "stall_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.admission_wait_ms < 0:
+            raise ValueError(f"admission_wait_ms must be >= 0, got {self.admission_wait_ms!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not isinstance(self.default_decoding, dict):

@@ -204,3 +204,44 @@ def test_streams_receive_growing_prefixes_and_energy_is_attributed(engine):
     assert all(e.joules is not None and e.joules > 0 for e in done.values())
     rendered = loop.metrics.render().decode()
     assert "caidllm:energy_joules_total" in rendered
+
+
+@pytest.mark.parametrize("wait", [0.0, 2.0])
+def test_admission_wait_lets_a_closed_loop_client_fill_its_row(engine, wait):
+    """A client that sends its next request 10 ms after its response misses the 30 ms step that
+    starts at once without the wait, and joins the very next step with it."""
+    GatedModel(engine.model, delay=0.03)
+    loop = EngineLoop(engine, max_queue=8, metrics=Metrics("m"), meter=NvmlMeter(lambda: 0), admission_wait=wait)
+    admitted_at: dict[str, int] = {}
+    original = loop.runner.add
+
+    def add(request, queued_at=None):
+        admitted_at[request.request_id] = loop.steps
+        return original(request, queued_at=queued_at)
+
+    loop.runner.add = add
+
+    async def run() -> tuple[int, int]:
+        aio, queue = asyncio.get_running_loop(), asyncio.Queue()
+        long_row = Submission(GenerationRequest((1, 2, 3), DecodeParams(policy="fixed", gen_length=64, block_length=64,
+                                                                         steps=64), "long"), 0, queue, aio, False)
+        short_row = Submission(GenerationRequest((4, 5, 6), DecodeParams(policy="fixed", gen_length=4, block_length=4,
+                                                                          steps=4), "short"), 1, queue, aio, False)
+        loop.submit(long_row)
+        loop.submit(short_row)
+        while (event := await asyncio.wait_for(queue.get(), 30)).kind != "done" or event.choice != 1:
+            pass
+        finished_at = loop.steps
+        await asyncio.sleep(0.01)
+        loop.submit(Submission(GenerationRequest((7, 8, 9), _params(), "next"), 2, queue, aio, False))
+        while "next" not in admitted_at:
+            await asyncio.sleep(0.005)
+        loop.abort("long")
+        return finished_at, admitted_at["next"]
+
+    loop.start()
+    try:
+        finished_at, joined_at = asyncio.run(run())
+    finally:
+        loop.stop()
+    assert joined_at == (finished_at if wait else finished_at + 1)

@@ -22,7 +22,8 @@ def test_settings_precedence_flags_env_defaults():
 
 
 @pytest.mark.parametrize("env", [{"CAI_DLLM_PORT": "x"}, {"CAI_DLLM_MAX_BATCH": "0"},
-                                 {"CAI_DLLM_DEFAULT_DECODING": "{bad"}, {"CAI_DLLM_REQUEST_TIMEOUT": "-1"}])
+                                 {"CAI_DLLM_DEFAULT_DECODING": "{bad"}, {"CAI_DLLM_REQUEST_TIMEOUT": "-1"},
+                                 {"CAI_DLLM_ADMISSION_WAIT_MS": "-1"}])
 def test_bad_settings_are_refused(env):
     with pytest.raises(ValueError):
         load_settings({}, env)
