@@ -36,6 +36,14 @@ def candidates(architecture: str) -> list[EvalConfig]:
             ("grinding off, no cache", {"grinding": False, "cache": "none"}),
             ("grinding off, theta_s .99 theta_e .9, no cache", {"grinding": False, "theta_s": 0.99, "theta_e": 0.9,
                                                                  "cache": "none"})]
+    # second round, around the best of the first: more conservative thresholds, one CAI part off at a time
+    tuned = {"grinding": False, "theta_s": 0.99, "theta_e": 0.9, "cache": "none"}
+    rows += [("tuned, theta_s .995 theta_e .95", {**tuned, "theta_s": 0.995, "theta_e": 0.95}),
+             ("tuned, theta_e .95", {**tuned, "theta_e": 0.95}),
+             ("tuned, warmup 0.3", {**tuned, "warmup": 0.3}),
+             ("tuned, position factors off", {**tuned, "position_factors": False}),
+             ("tuned, block schedule off", {**tuned, "block_schedule": False}),
+             ("tuned, budgets off", {**tuned, "budgets": False})]
     benchmark = {c.name: c for c in default_configs(architecture)}
     references = [EvalConfig(f"{label} (reference)", benchmark[name].params)
                   for label, name in (("fixed+exit", "fixed+exit"), ("Fast-dLLM", "threshold 0.9 dual (Fast-dLLM)"))]
@@ -48,12 +56,20 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=500)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--only", help="';'-separated candidate names to run (default: all)")
     args = parser.parse_args()
     engine = Engine(EngineConfig(model=args.model, device=args.device, max_batch=args.batch_size))
     problems = sample(args.n, VALIDATION_SEED, split="train")
     print(f"# {args.n} validation problems (training split, seed {VALIDATION_SEED}) on {hardware()}, "
           f"model {args.model}")
-    reports = evaluate(engine, problems, candidates(engine.architecture), batch_size=args.batch_size)
+    rows = candidates(engine.architecture)
+    if args.only:
+        wanted = [name.strip() for name in args.only.split(";") if name.strip()]
+        unknown = sorted(set(wanted) - {c.name for c in rows})
+        if unknown:
+            parser.error(f"unknown candidates {unknown}; known: {'; '.join(c.name for c in rows)}")
+        rows = [c for c in rows if c.name in wanted]
+    reports = evaluate(engine, problems, rows, batch_size=args.batch_size)
     print(format_table(reports))
 
 
