@@ -12,7 +12,8 @@ next request as soon as it has a response would otherwise always miss the step t
 moment its row frees, and its row would run empty for a whole step each request (measured: 8 closed-
 loop clients kept a mean batch of 6.7 of 8 on the built-in model). The wait ends early the moment
 the rows are filled, never applies while requests are already waiting, and is bounded, so an
-open-loop load pays at most `admission_wait` per step that finished something.
+open-loop load pays at most `admission_wait` per step that finished something. It is off by
+default: on a 2-core CPU the step time grew by as much as the batches filled (docs/server.md).
 """
 
 from __future__ import annotations
