@@ -191,6 +191,31 @@ def step_examples(config: TrainConfig, step: int) -> list[Problem]:
     return [next(stream) for _ in range(config.batch_size)]
 
 
+def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig, step: int,
+               device: str = "cpu") -> float:
+    """One optimizer step on step `step`'s examples; returns its loss."""
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(config, step)
+    generator = torch.Generator().manual_seed(config.seed * 7919 + step)
+    optimizer.zero_grad(set_to_none=True)
+    loss = torch.zeros((), device=device)
+    for examples, canvas_length in micro_batches(config, step_examples(config, step), generator):
+        ids, attention, canvas = encode_examples(examples, canvas_length)
+        ids, attention = ids.to(device), attention.to(device)  # masks are drawn on the CPU
+        part = masked_diffusion_loss(model, ids, attention, canvas, generator, config.gen_length,
+                                     config.prefix_mask_share)
+        part = part * len(examples) / config.batch_size
+        part.backward()
+        loss += part.detach()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return loss.item()
+
+
 def train(config: TrainConfig, out: Path, resume: bool = False, max_minutes: Optional[float] = None,
           progress: bool = True, stop_at: Optional[int] = None, device: str = "cpu") -> dict[str, Any]:
     """Train, save the checkpoint (official format + tokenizer) to `out`, return the training log.
@@ -201,8 +226,7 @@ def train(config: TrainConfig, out: Path, resume: bool = False, max_minutes: Opt
     out.mkdir(parents=True, exist_ok=True)
     model, hf = build_model(config)
     model.to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95),
-                                  weight_decay=config.weight_decay)
+    optimizer = make_optimizer(model, config)
     log: dict[str, Any] = {"config": asdict(config), "losses": [], "seconds": 0.0, "step": 0}
     state_path = out / _STATE_FILE
     if resume and state_path.exists():
@@ -228,22 +252,7 @@ def train(config: TrainConfig, out: Path, resume: bool = False, max_minutes: Opt
             out_of_time = max_minutes is not None and time.perf_counter() - started > 60 * max_minutes
             if out_of_time or (stop_at is not None and step >= stop_at):
                 break
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(config, step)
-            generator = torch.Generator().manual_seed(config.seed * 7919 + step)
-            optimizer.zero_grad(set_to_none=True)
-            loss = torch.zeros((), device=device)
-            for examples, canvas_length in micro_batches(config, step_examples(config, step), generator):
-                ids, attention, canvas = encode_examples(examples, canvas_length)
-                ids, attention = ids.to(device), attention.to(device)  # masks are drawn on the CPU
-                part = masked_diffusion_loss(model, ids, attention, canvas, generator, config.gen_length,
-                                             config.prefix_mask_share)
-                part = part * len(examples) / config.batch_size
-                part.backward()
-                loss += part.detach()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            recent.append(loss.item())
+            recent.append(train_step(model, optimizer, config, step, device))
             log["step"] = step + 1
             if len(recent) == 25 or log["step"] == config.steps:
                 log["losses"].append([log["step"], sum(recent) / len(recent)])
