@@ -83,6 +83,11 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+_TRAIN_FLAGS = ("arch", "d_model", "layers", "heads", "mlp_hidden", "rope_theta", "batch_size", "steps", "lr",
+                "warmup", "weight_decay", "seed", "micro_batches", "full_canvas_share", "max_extra_fill",
+                "prefix_mask_share")
+
+
 def _train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -92,12 +97,8 @@ def _train(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = TrainConfig(arch=args.arch, d_model=args.d_model, layers=args.layers, heads=args.heads,
-                         mlp_hidden=args.mlp_hidden, rope_theta=args.rope_theta,
-                         batch_size=args.batch_size, steps=args.steps, lr=args.lr,
-                         warmup=args.warmup, weight_decay=args.weight_decay, seed=args.seed,
-                         micro_batches=args.micro_batches, full_canvas_share=args.full_canvas_share,
-                         max_extra_fill=args.max_extra_fill, prefix_mask_share=args.prefix_mask_share)
+    # flags left out keep TrainConfig's defaults, the built-in recipe (one place for them)
+    config = TrainConfig(**{name: getattr(args, name) for name in _TRAIN_FLAGS if getattr(args, name) is not None})
     log = train(config, Path(args.out), resume=args.resume, max_minutes=args.max_minutes, device=args.device)
     last = log["losses"][-1][1] if log["losses"] else float("nan")
     print(f"trained {log['step']} steps in {log['seconds'] / 60:.1f} min; final loss {last:.4f}; saved to {args.out}")
@@ -288,25 +289,27 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--json", help="also write the full report, every request included, to this file")
     bs.set_defaults(func=_bench_serve)
 
-    tr = sub.add_parser("train", help="train a built-in tiny model on the task family")
-    tr.add_argument("--arch", choices=("llada", "dream"), default="llada")
+    tr = sub.add_parser("train", help="train a built-in tiny model on the task family",
+                        description="Flags left out take the built-in recipe: the defaults of "
+                                    "engine.builtin.train.TrainConfig (docs/models.md).")
+    tr.add_argument("--arch", choices=("llada", "dream"))
     tr.add_argument("--out", required=True)
-    tr.add_argument("--d-model", type=int, default=128)
-    tr.add_argument("--layers", type=int, default=6)
-    tr.add_argument("--heads", type=int, default=4)
-    tr.add_argument("--mlp-hidden", type=int, default=384)
-    tr.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base (the 8B models' bases are for "
+    tr.add_argument("--d-model", type=int)
+    tr.add_argument("--layers", type=int)
+    tr.add_argument("--heads", type=int)
+    tr.add_argument("--mlp-hidden", type=int)
+    tr.add_argument("--rope-theta", type=float, help="RoPE base (the 8B models' bases are for "
                     "head dims of 128)")
-    tr.add_argument("--batch-size", type=int, default=32)
-    tr.add_argument("--steps", type=int, default=8000)
-    tr.add_argument("--lr", type=float, default=3e-3)
-    tr.add_argument("--warmup", type=int, default=150)
-    tr.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
-    tr.add_argument("--seed", type=int, default=0)
-    tr.add_argument("--micro-batches", type=int, default=2, help="length-sorted groups per step, each its own canvas")
-    tr.add_argument("--full-canvas-share", type=float, default=0.25, help="share of groups given the full canvas")
-    tr.add_argument("--max-extra-fill", type=int, default=32, help="most end tokens after the longest response")
-    tr.add_argument("--prefix-mask-share", type=float, default=0.0,
+    tr.add_argument("--batch-size", type=int)
+    tr.add_argument("--steps", type=int)
+    tr.add_argument("--lr", type=float)
+    tr.add_argument("--warmup", type=int)
+    tr.add_argument("--weight-decay", type=float, help="AdamW weight decay")
+    tr.add_argument("--seed", type=int)
+    tr.add_argument("--micro-batches", type=int, help="length-sorted groups per step, each its own canvas")
+    tr.add_argument("--full-canvas-share", type=float, help="share of groups given the full canvas")
+    tr.add_argument("--max-extra-fill", type=int, help="most end tokens after the longest response")
+    tr.add_argument("--prefix-mask-share", type=float,
                     help="share of examples masked only after a random cut in the canvas")
     tr.add_argument("--device", default="cpu", help="where the arithmetic runs (examples and masks are the same)")
     tr.add_argument("--threads", type=int)
