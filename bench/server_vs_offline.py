@@ -29,7 +29,7 @@ import httpx
 import torch
 
 from engine import Engine, EngineConfig
-from engine.builtin.evaluate import hardware, held_out_problems
+from engine.builtin.evaluate import dual_cache_refresh, hardware, held_out_problems
 from engine.chat import chat_prompt_ids
 from engine.decoding import DecodeParams
 from engine.decoding.runner import BlockDiffusionRunner
@@ -71,9 +71,9 @@ def main() -> None:
     parser.add_argument("--admission-wait-ms", type=float, help="passed to the server (default: its own)")
     parser.add_argument("--repeats", type=int, default=5, help="alternating offline / 8-client runs")
     args = parser.parse_args()
-    decoding = {"policy": "cai", "cache": "dual", "refresh_interval": 16, "block_length": 32}
-
     engine = Engine(EngineConfig(model=args.model, max_batch=8, device=args.device))
+    decoding = {"policy": "cai", "cache": "dual", "refresh_interval": dual_cache_refresh(engine.architecture),
+                "block_length": 32}
     problems = held_out_problems(args.n, args.seed)
     messages = [[{"role": "user", "content": p.prompt}] for p in problems]
     prompts = [chat_prompt_ids(engine.tokenizer, m) for m in messages]

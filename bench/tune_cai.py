@@ -23,6 +23,7 @@ VALIDATION_SEED = 99_991
 def candidates(architecture: str) -> list[EvalConfig]:
     base: dict[str, Any] = {"gen_length": 128, "block_length": 32, "steps": 128, "policy": "cai", "cache": "dual",
                             "refresh_interval": dual_cache_refresh(architecture)}
+    tuned = {"grinding": False, "theta_s": 0.99, "theta_e": 0.9, "cache": "none"}  # the first round's best
     rows = [("paper defaults", {}),
             ("gate off", {"gating": False}),
             ("budgets off", {"budgets": False}),
@@ -34,10 +35,8 @@ def candidates(architecture: str) -> list[EvalConfig]:
             ("theta_fb 0.6", {"theta_fb": 0.6}),
             ("grinding off, theta_s .99 theta_e .9", {"grinding": False, "theta_s": 0.99, "theta_e": 0.9}),
             ("grinding off, no cache", {"grinding": False, "cache": "none"}),
-            ("grinding off, theta_s .99 theta_e .9, no cache", {"grinding": False, "theta_s": 0.99, "theta_e": 0.9,
-                                                                 "cache": "none"})]
+            ("grinding off, theta_s .99 theta_e .9, no cache", tuned)]
     # second round, around the best of the first: more conservative thresholds, one CAI part off at a time
-    tuned = {"grinding": False, "theta_s": 0.99, "theta_e": 0.9, "cache": "none"}
     rows += [("tuned, theta_s .995 theta_e .95", {**tuned, "theta_s": 0.995, "theta_e": 0.95}),
              ("tuned, theta_e .95", {**tuned, "theta_e": 0.95}),
              ("tuned, warmup 0.3", {**tuned, "warmup": 0.3}),
