@@ -5,8 +5,10 @@ max_batch 8 in this process, (b) through a `cai-dllm serve` subprocess from 1 cl
 (c) from 8 concurrent clients. Reported: generated tokens/s (completion tokens only, wall clock),
 the server/offline ratio at concurrency 8, and the speed-up of 8 clients over 1. Every request is
 checked to give the same text through the server as offline (temperature 0). Also reported: engine
-steps, mean rows per step (offline: counted around the runner's step; server: from /metrics) and the
-mean time a server request waited for a row, which together say where the server's time goes.
+steps, mean rows per step (offline: counted around the runner's step; server: from /metrics), the
+mean time a server request waited for a row, and its HTTP overhead (the client's latency minus the
+server's own end-to-end latency: the response, the client and the next request), which together
+say where the server's time goes.
 
     python bench/server_vs_offline.py --model models/llada-tiny --n 64
 """
@@ -43,18 +45,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def run_clients(base: str, bodies: list[dict], concurrency: int) -> tuple[float, list[dict]]:
+async def run_clients(base: str, bodies: list[dict], concurrency: int) -> tuple[float, list[dict], float]:
+    """Wall seconds, the responses, and the summed client-side latency of the requests."""
     semaphore = asyncio.Semaphore(concurrency)
+    latencies: list[float] = []
     async with httpx.AsyncClient(timeout=600) as client:
         async def one(body: dict) -> dict:
             async with semaphore:
+                sent = time.perf_counter()
                 response = await client.post(f"{base}/v1/chat/completions", json=body)
                 response.raise_for_status()
+                latencies.append(time.perf_counter() - sent)
                 return response.json()
 
         start = time.perf_counter()
         results = await asyncio.gather(*(one(b) for b in bodies))
-        return time.perf_counter() - start, list(results)
+        return time.perf_counter() - start, list(results), sum(latencies)
 
 
 def metric_sum(metrics_text: str, name: str) -> float:
@@ -108,14 +114,15 @@ def main() -> None:
           f"median of {args.repeats} alternating offline / 8-client runs")
     print(f"# {hardware()}, torch {torch.__version__}, model {args.model}")
     print(f"{'setting':24s} {'seconds':>8s} {'gen tokens':>10s} {'tokens/s':>9s} {'same text':>9s} {'steps':>6s} "
-          f"{'rows/step':>9s} {'queue ms':>8s}")
+          f"{'rows/step':>9s} {'queue ms':>8s} {'http ms':>7s}")
     named = [("offline (max_batch 8)", offline_runs)] + [(f"server, {c} client(s)", r) for c, r in server_runs.items()]
     for name, runs in named:
         run = median_run(runs)
         same = f"{run.same:>4d}/{args.n}" if run.same is not None else "-"
         queue = f"{run.queue_ms:8.1f}" if run.queue_ms is not None else "-"
+        http = f"{run.http_ms:7.1f}" if run.http_ms is not None else "-"
         print(f"{name:24s} {run.seconds:8.2f} {run.tokens:10d} {run.tokens_per_s:9.1f} {same:>9s} {run.steps:6d} "
-              f"{run.rows_per_step:9.2f} {queue:>8s}")
+              f"{run.rows_per_step:9.2f} {queue:>8s} {http:>7s}")
     ratios = [s.tokens_per_s / o.tokens_per_s for s, o in zip(server_runs[8], offline_runs, strict=True)]
     print(f"server(8) / offline throughput, run by run: {' '.join(f'{r:.3f}' for r in ratios)}; "
           f"median {statistics.median(ratios):.3f}")
@@ -133,6 +140,7 @@ class Run:
     rows_per_step: float
     same: Optional[int] = None
     queue_ms: Optional[float] = None
+    http_ms: Optional[float] = None  # client latency minus the server's own end-to-end latency
 
     @property
     def tokens_per_s(self) -> float:
@@ -176,14 +184,16 @@ def run_offline(engine: Engine, prompts: list[list[int]], params: DecodeParams) 
 
 
 def run_server(base: str, bodies: list[dict], concurrency: int, offline: list) -> Run:
-    watched = ("caidllm:batch_size_sum", "caidllm:batch_size_count", "caidllm:request_queue_time_seconds_sum")
+    watched = ("caidllm:batch_size_sum", "caidllm:batch_size_count", "caidllm:request_queue_time_seconds_sum",
+               "caidllm:e2e_request_latency_seconds_sum")
     before = httpx.get(f"{base}/metrics").text
-    seconds, results = asyncio.run(run_clients(base, bodies, concurrency))
+    seconds, results, client_latency = asyncio.run(run_clients(base, bodies, concurrency))
     after = httpx.get(f"{base}/metrics").text
-    rows_sum, steps, queued = (metric_sum(after, w) - metric_sum(before, w) for w in watched)
+    rows_sum, steps, queued, server_latency = (metric_sum(after, w) - metric_sum(before, w) for w in watched)
     tokens = sum(r["usage"]["completion_tokens"] for r in results)
     same = sum(r["choices"][0]["message"]["content"] == o.text for r, o in zip(results, offline, strict=True))
-    return Run(seconds, tokens, int(steps), rows_sum / steps, same, 1000 * queued / len(results))
+    return Run(seconds, tokens, int(steps), rows_sum / steps, same, 1000 * queued / len(results),
+               1000 * (client_latency - server_latency) / len(results))
 
 
 if __name__ == "__main__":

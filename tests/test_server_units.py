@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import random
+
 import pytest
 
 from server.energy import EnergyMeter, NvmlMeter, RaplMeter, open_meter, share_energy
+from server.protocol import new_id
 from server.serving import Serving, apply_stop, finish_reason_of, safe_stream_length
 from server.settings import BUNDLED_MODEL, load_settings
 
@@ -87,3 +91,18 @@ def test_finish_reason_mapping():
 ])
 def test_max_tokens_rounds_up_to_whole_blocks(max_tokens, knobs, expected):
     assert Serving._canvas(max_tokens, knobs) == expected
+
+
+def test_ids_are_unique_whatever_the_global_random_state_and_across_a_fork():
+    random.seed(0)  # a request's `seed` must not make ids repeat
+    first = new_id("cmpl")
+    random.seed(0)
+    assert new_id("cmpl") != first and first.startswith("cmpl-") and len(first) == len("cmpl-") + 32
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child only reports its next id
+        os.write(write, new_id("x").encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(read, 64).decode()
+    assert child != new_id("x")
