@@ -101,9 +101,12 @@ class Attention(nn.Module):
         k = apply_rotary(k, cos, sin, self.rope_in_float32)
         if cache is not None:
             cache_k, cache_v, write_index = cache
-            index = write_index[:, None, :, None].expand(-1, self.num_kv_heads, -1, self.head_dim)
-            cache_k.scatter_(2, index, k)
-            cache_v.scatter_(2, index, v)
+            # Indexed assignment through a [B, width, heads, dim] view rather than scatter_ along
+            # the width: the same writes, 3.5-6x faster on CPU, where scatter_ was a tenth of a
+            # cached decoding step (bench/results/kv_write_cpu.txt).
+            rows = torch.arange(batch, device=write_index.device)[:, None]
+            cache_k.transpose(1, 2)[rows, write_index] = k.transpose(1, 2)
+            cache_v.transpose(1, 2)[rows, write_index] = v.transpose(1, 2)
             k, v = cache_k, cache_v
         out = self.kernel(q, k, v, key_mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
