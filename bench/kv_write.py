@@ -1,5 +1,5 @@
 """Writing a block's keys/values into the KV store: `scatter_` along the width against indexed
-assignment through a [B, width, heads, dim] view (what `engine/models/layers.py` does).
+assignment through a [B, width, heads, dim] view (`engine.models.layers.write_kv`, what the models use).
 
 Both write the same columns (checked); the shapes are the built-in `llada-tiny` at batch 8 and
 LLaDA-8B's (32 heads of 128) at batch 8, a 32-token block into a ~160 / ~600-column store.
@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from engine.builtin.evaluate import hardware
+from engine.models.layers import write_kv
 
 SHAPES = {"llada-tiny": (8, 4, 160, 32), "LLaDA-8B": (8, 32, 600, 128)}  # batch, heads, width, head dim
 BLOCK = 32
@@ -24,11 +25,6 @@ BLOCK = 32
 def scatter_write(cache: torch.Tensor, k: torch.Tensor, write_index: torch.Tensor) -> None:
     heads, dim = cache.shape[1], cache.shape[3]
     cache.scatter_(2, write_index[:, None, :, None].expand(-1, heads, -1, dim), k)
-
-
-def indexed_write(cache: torch.Tensor, k: torch.Tensor, write_index: torch.Tensor) -> None:
-    rows = torch.arange(cache.shape[0], device=write_index.device)[:, None]
-    cache.transpose(1, 2)[rows, write_index] = k.transpose(1, 2)
 
 
 def time_write(write: Callable[..., None], cache: torch.Tensor, k: torch.Tensor, index: torch.Tensor,
@@ -63,10 +59,10 @@ def main() -> None:
         a = torch.zeros(batch, heads, width, dim, device=args.device)
         b = torch.zeros_like(a)
         scatter_write(a, k, index)
-        indexed_write(b, k, index)
+        write_kv(b, k, index)
         assert torch.equal(a, b), "the two writes differ"
         slow = time_write(scatter_write, a, k, index, args.repeats)
-        fast = time_write(indexed_write, b, k, index, args.repeats)
+        fast = time_write(write_kv, b, k, index, args.repeats)
         print(f"{name:12s} {1e6 * slow:12.1f} {1e6 * fast:11.1f} {slow / fast:8.1f}x")
 
 

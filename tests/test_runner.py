@@ -17,6 +17,7 @@ from engine.decoding import (
     RequestError,
     generate,
 )
+from engine.models.layers import write_kv
 
 
 def _prompts(n: int = 8, seed: int = 0) -> list[list[int]]:
@@ -224,3 +225,16 @@ def test_stable_prefix_only_grows_and_ends_as_the_result(llada_model):
     assert result.generated_ids[:len(seen)] == seen
     with pytest.raises(KeyError):
         runner.stable_ids("s")
+
+
+def test_write_kv_writes_each_rows_columns_and_nothing_else():
+    generator = torch.Generator().manual_seed(0)
+    store = torch.randn(3, 2, 12, 4, generator=generator)
+    new = torch.randn(3, 2, 5, 4, generator=generator)
+    write_index = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11], [2, 5, 3, 9, 6]])
+    expected = store.clone()
+    for b in range(3):
+        for i in range(5):
+            expected[b, :, write_index[b, i]] = new[b, :, i]
+    write_kv(store, new, write_index)
+    assert torch.equal(store, expected)
