@@ -103,6 +103,8 @@ def test_ids_are_unique_whatever_the_global_random_state_and_across_a_fork():
     if pid == 0:  # pragma: no cover - the child only reports its next id
         os.write(write, new_id("x").encode())
         os._exit(0)
+    os.close(write)
     os.waitpid(pid, 0)
-    child = os.read(read, 64).decode()
+    with os.fdopen(read) as pipe:
+        child = pipe.read()
     assert child != new_id("x")
