@@ -117,8 +117,8 @@ class DecodingSummary(BaseModel):
 
 
 # Ids come from a generator of our own, not uuid4: os.urandom releases the GIL, and with the engine
-# thread busy a cProfile of the event loop showed each call waiting ~0.9 ms to get it back (two calls
-# a request). End to end the saving is inside this 2-core machine's noise (docs/server.md). Seeded
+# thread running a cProfile of the event loop showed each call taking ~0.9 ms to get it back (two
+# calls a request). End to end the saving is inside this 2-core machine's noise (docs/server.md). Seeded
 # from os.urandom once, and again in a forked child, so two processes never hand out the same ids.
 _ID_SOURCE = random.Random()
 os.register_at_fork(after_in_child=_ID_SOURCE.seed)
