@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.tokenizer import encode_text
+
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     """Render `messages` with the tokenizer's chat template (generation prompt added) and encode
@@ -11,4 +13,4 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this checkpoint's tokenizer has no chat template")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return encode_text(tokenizer, text)

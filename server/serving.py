@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engine.decoding import DecodeParamError, DecodeParams, GenerationRequest, GenerationResult
 from engine.decoding.params import resolve_defaults
 from engine.engine import Engine
+from engine.tokenizer import encode_text
 from server.errors import APIError, error_body
 from server.metrics import Metrics
 from server.protocol import (
@@ -140,7 +141,7 @@ class Serving:
             if isinstance(item, str):
                 if self.engine.tokenizer is None:
                     raise APIError(400, "this model has no tokenizer: send prompts as token ids", param="prompt")
-                prompts.append(list(self.engine.tokenizer.encode(item, add_special_tokens=False)))
+                prompts.append(encode_text(self.engine.tokenizer, item))
             else:
                 prompts.append(list(item))
         return prompts
@@ -211,7 +212,7 @@ class Serving:
         choice.joules = joules
         choice.finish_reason = finish_reason_of(result.finish_reason, stopped)
         if stopped and self.engine.tokenizer is not None:
-            choice.completion_tokens = len(self.engine.tokenizer.encode(text, add_special_tokens=False))
+            choice.completion_tokens = len(encode_text(self.engine.tokenizer, text))
         else:
             choice.completion_tokens = len(result.response_ids)
         m = self.metrics
@@ -365,7 +366,7 @@ class Serving:
                     if stopped:  # the rest cannot change the answer: free the row now
                         self.loop.abort(c.submission.request.request_id)
                         c.text, c.finished, c.finish_reason = text, True, "stop"
-                        c.completion_tokens = len(self.engine.tokenizer.encode(text, add_special_tokens=False)) \
+                        c.completion_tokens = len(encode_text(self.engine.tokenizer, text)) \
                             if self.engine.tokenizer is not None else 0
                         m = self.metrics
                         m.labels(m.prompt_tokens).inc(len(c.prompt_ids))

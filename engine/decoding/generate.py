@@ -10,6 +10,7 @@ from engine.decoding.params import DecodeParams
 from engine.decoding.runner import BlockDiffusionRunner
 from engine.decoding.types import GenerationRequest, GenerationResult
 from engine.models.transformer import DiffusionTransformer
+from engine.tokenizer import encode_text
 
 Prompt = Union[GenerationRequest, Sequence[int], str]
 
@@ -35,7 +36,7 @@ def generate(model: DiffusionTransformer, prompts: Sequence[Prompt],
         elif isinstance(prompt, str):
             if tokenizer is None:
                 raise ValueError("text prompts need a tokenizer")
-            ids = tokenizer.encode(prompt, add_special_tokens=False)
+            ids = encode_text(tokenizer, prompt)
             requests.append(GenerationRequest(tuple(ids), p, f"offline-{i}"))
         else:
             requests.append(GenerationRequest(tuple(int(t) for t in prompt), p, f"offline-{i}"))
