@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import aiohttp
 import httpx
 import torch
 
@@ -45,22 +46,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def run_clients(base: str, bodies: list[dict], concurrency: int) -> tuple[float, list[dict], float]:
-    """Wall seconds, the responses, and the summed client-side latency of the requests."""
-    semaphore = asyncio.Semaphore(concurrency)
+async def run_clients(base: str, bodies: list[dict], concurrency: int,
+                      client: str = "aiohttp") -> tuple[float, list[dict], float]:
+    """Wall seconds, the responses, and the summed client-side latency of the requests.
+
+    Each of `concurrency` clients sends its next request as soon as it has a response (closed loop).
+    aiohttp is the default client, as in vLLM's serving benchmark: on this 2-core CPU httpx's async
+    client added ~2.5 ms to every round trip (docs/server.md), CPU the clients take from the server
+    they measure and a delay during which the client's row waits for its next request.
+    """
+    url = f"{base}/v1/chat/completions"
+    pending = iter(enumerate(bodies))
+    results: list[dict] = [{} for _ in bodies]
     latencies: list[float] = []
-    async with httpx.AsyncClient(timeout=600) as client:
-        async def one(body: dict) -> dict:
-            async with semaphore:
-                sent = time.perf_counter()
-                response = await client.post(f"{base}/v1/chat/completions", json=body)
+
+    async def closed_loop(post) -> None:
+        for index, body in pending:
+            sent = time.perf_counter()
+            results[index] = await post(body)
+            latencies.append(time.perf_counter() - sent)
+
+    start = time.perf_counter()
+    if client == "aiohttp":
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency),
+                                         timeout=aiohttp.ClientTimeout(total=600)) as session:
+            async def post(body: dict) -> dict:
+                async with session.post(url, json=body) as response:
+                    response.raise_for_status()
+                    return await response.json()
+
+            await asyncio.gather(*(closed_loop(post) for _ in range(concurrency)))
+    else:
+        async with httpx.AsyncClient(timeout=600) as session:
+            async def post(body: dict) -> dict:
+                response = await session.post(url, json=body)
                 response.raise_for_status()
-                latencies.append(time.perf_counter() - sent)
                 return response.json()
 
-        start = time.perf_counter()
-        results = await asyncio.gather(*(one(b) for b in bodies))
-        return time.perf_counter() - start, list(results), sum(latencies)
+            await asyncio.gather(*(closed_loop(post) for _ in range(concurrency)))
+    return time.perf_counter() - start, results, sum(latencies)
 
 
 def metric_sum(metrics_text: str, name: str) -> float:
@@ -76,6 +100,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--admission-wait-ms", type=float, help="passed to the server (default: its own)")
     parser.add_argument("--repeats", type=int, default=5, help="alternating offline / 8-client runs")
+    parser.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp",
+                        help="the load generator's HTTP client")
     args = parser.parse_args()
     engine = Engine(EngineConfig(model=args.model, max_batch=8, device=args.device))
     decoding = {"policy": "cai", "cache": "dual", "refresh_interval": dual_cache_refresh(engine.architecture),
@@ -98,19 +124,20 @@ def main() -> None:
         wait_ready(base, server)
         bodies = [{"model": Path(args.model).name, "messages": m, "max_tokens": args.max_tokens,
                    "decoding": decoding} for m in messages]
-        asyncio.run(run_clients(base, bodies[:8], 8))  # warm-up
+        asyncio.run(run_clients(base, bodies[:8], 8, args.client))  # warm-up
         # Offline and 8-client runs alternate, so a slow spell of this shared machine hits both.
         for _ in range(args.repeats):
             offline, run = run_offline(engine, prompts, params)
             offline_runs.append(run)
-            server_runs[8].append(run_server(base, bodies, 8, offline))
-        server_runs[1].append(run_server(base, bodies, 1, offline))
+            server_runs[8].append(run_server(base, bodies, 8, offline, args.client))
+        server_runs[1].append(run_server(base, bodies, 1, offline, args.client))
     finally:
         server.terminate()
         server.wait(60)
 
     print(f"# {args.n} held-out chat requests, max_tokens {args.max_tokens}, decoding {decoding}, "
-          f"server admission wait {args.admission_wait_ms if args.admission_wait_ms is not None else 'default'} ms; "
+          f"server admission wait {args.admission_wait_ms if args.admission_wait_ms is not None else 'default'} ms, "
+          f"client {args.client}; "
           f"median of {args.repeats} alternating offline / 8-client runs")
     print(f"# {hardware()}, torch {torch.__version__}, model {args.model}")
     print(f"{'setting':24s} {'seconds':>8s} {'gen tokens':>10s} {'tokens/s':>9s} {'same text':>9s} {'steps':>6s} "
@@ -183,11 +210,11 @@ def run_offline(engine: Engine, prompts: list[list[int]], params: DecodeParams) 
     return results, Run(seconds, tokens, len(step_rows), sum(step_rows) / len(step_rows))
 
 
-def run_server(base: str, bodies: list[dict], concurrency: int, offline: list) -> Run:
+def run_server(base: str, bodies: list[dict], concurrency: int, offline: list, client: str) -> Run:
     watched = ("caidllm:batch_size_sum", "caidllm:batch_size_count", "caidllm:request_queue_time_seconds_sum",
                "caidllm:e2e_request_latency_seconds_sum")
     before = httpx.get(f"{base}/metrics").text
-    seconds, results, client_latency = asyncio.run(run_clients(base, bodies, concurrency))
+    seconds, results, client_latency = asyncio.run(run_clients(base, bodies, concurrency, client))
     after = httpx.get(f"{base}/metrics").text
     rows_sum, steps, queued, server_latency = (metric_sum(after, w) - metric_sum(before, w) for w in watched)
     tokens = sum(r["usage"]["completion_tokens"] for r in results)
