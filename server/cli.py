@@ -267,8 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--shutdown-timeout", type=float, help="seconds to finish in-flight work on SIGTERM (default 30)")
     sv.add_argument("--stall-timeout", type=float, help="/health fails after this many seconds without progress")
     sv.add_argument("--admission-wait-ms", type=float,
-                    help="after a step frees rows, wait up to this long for new requests to fill them "
-                         "before the next step (default 0: never wait)")
+                    help="after a step frees rows, hold the next step at most this long for the requests "
+                         "that will fill them, when recent refills came that soon (default 5; 0: never wait)")
     sv.add_argument("--log-level")
     sv.set_defaults(func=_serve)
 

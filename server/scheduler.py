@@ -6,14 +6,9 @@ aborts, admits waiting requests into free rows (step-level continuous batching: 
 the next step, a finished or aborted one leaves at once), runs one step, and posts progress (the
 final prefix, for streams) and results back with `call_soon_threadsafe`.
 
-After a step that finished rows, the loop may hold the next step for a few milliseconds
-(`admission_wait`) until as many new requests are waiting as rows were freed. A client that sends its
-next request as soon as it has a response would otherwise always miss the step that starts the
-moment its row frees, and its row would run empty for a whole step each request (measured: 8 closed-
-loop clients kept a mean batch of 6.7 of 8 on the built-in model). The wait ends early the moment
-the rows are filled, never applies while requests are already waiting, and is bounded, so an
-open-loop load pays at most `admission_wait` per step that finished something. It is off by
-default: on a 2-core CPU the step time grew by as much as the batches filled (docs/server.md).
+After a step that frees rows nobody is waiting for, the loop may hold the next step a few
+milliseconds for the requests about to fill them (server/admission.py: bounded by the freed rows'
+share of a step and by `admission_wait`, and only while recent refills came that soon).
 """
 
 from __future__ import annotations
@@ -27,6 +22,7 @@ from typing import Any, Optional
 
 from engine.decoding import GenerationRequest, GenerationResult, RequestError
 from engine.engine import Engine
+from server.admission import RefillTracker, admission_limit
 from server.energy import EnergyMeter, share_energy
 from server.metrics import Metrics
 
@@ -81,6 +77,8 @@ class EngineLoop:
         self._stop = threading.Event()
         self.last_progress = time.monotonic()
         self.steps = 0
+        self.step_seconds = 0.0  # moving average of a step's duration, for the admission wait
+        self._refills = RefillTracker(horizon=2 * admission_wait)
         self._thread = threading.Thread(target=self._run, name="cai-dllm-engine", daemon=True)
 
     # ------------------------------------------------------------------ called from the event loop
@@ -112,6 +110,8 @@ class EngineLoop:
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull
             self._waiting.append(submission)
+        if self.admission_wait > 0:
+            self._refills.request_arrived(time.monotonic())
         self.metrics.labels(self.metrics.waiting).set(len(self._waiting))
         self._wake.set()
 
@@ -145,8 +145,17 @@ class EngineLoop:
     def _await_arrivals(self, freed: int) -> None:
         if freed == 0 or self.admission_wait <= 0 or self.runner.num_active == 0:
             return
-        wanted = min(freed, self.runner.max_batch - self.runner.num_active)
-        deadline = time.monotonic() + self.admission_wait
+        active = self.runner.num_active
+        wanted = min(freed, self.runner.max_batch - active)
+        unfilled = wanted - len(self._waiting)
+        if unfilled <= 0:
+            return
+        now = time.monotonic()
+        self._refills.rows_freed(unfilled, now)
+        limit = admission_limit(self.admission_wait, self.step_seconds, active, wanted)
+        if self._refills.expected_refill(now) > limit:
+            return
+        deadline = now + limit
         while not self._stop.is_set() and len(self._waiting) < wanted:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -190,8 +199,11 @@ class EngineLoop:
         m = self.metrics
         before = self.meter.read_joules()
         batch = self.runner.num_active
+        started = time.monotonic()
         finished = self.runner.step()
+        took = time.monotonic() - started
         after = self.meter.read_joules()
+        self.step_seconds = took if self.steps == 0 else 0.8 * self.step_seconds + 0.2 * took
         self.steps += 1
         self.last_progress = time.monotonic()
         m.labels(m.batch_size).observe(batch)

@@ -32,10 +32,10 @@ class ServerSettings:
     request_timeout: float = 600.0
     shutdown_timeout: float = 30.0
     stall_timeout: float = 60.0  # /health fails when work is pending and no step finished for this long
-    # after a step frees rows, hold the next one this long at most for their clients' next requests
-    # (server/scheduler.py); off by default: on a 2-core CPU it bought fuller batches at an equal
-    # cost in step time (bench/results/server_vs_offline_cpu.txt)
-    admission_wait_ms: float = 0.0
+    # the longest the next step is held, after a step frees rows, for the requests that will fill
+    # them; within it the wait adapts to the step time and to how soon freed rows were refilled
+    # lately (server/admission.py), so open-loop load does not wait; 0 turns it off
+    admission_wait_ms: float = 5.0
     log_level: str = "info"
 
     def __post_init__(self) -> None:

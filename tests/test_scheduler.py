@@ -208,9 +208,10 @@ def test_streams_receive_growing_prefixes_and_energy_is_attributed(engine):
 
 @pytest.mark.parametrize("wait", [0.0, 2.0])
 def test_admission_wait_lets_a_closed_loop_client_fill_its_row(engine, wait):
-    """A client that sends its next request 10 ms after its response misses the 30 ms step that
-    starts at once without the wait, and joins the very next step with it."""
-    GatedModel(engine.model, delay=0.03)
+    """A client that sends its next request 10 ms after its response misses the 60 ms step that
+    starts at once without the wait, and joins the very next step with it (the wait may last half
+    a step here: one row freed, one still active)."""
+    GatedModel(engine.model, delay=0.06)
     loop = EngineLoop(engine, max_queue=8, metrics=Metrics("m"), meter=NvmlMeter(lambda: 0), admission_wait=wait)
     admitted_at: dict[str, int] = {}
     original = loop.runner.add
@@ -245,3 +246,37 @@ def test_admission_wait_lets_a_closed_loop_client_fill_its_row(engine, wait):
     finally:
         loop.stop()
     assert joined_at == (finished_at if wait else finished_at + 1)
+
+
+def _loop_with_one_active_row(engine, wait: float) -> EngineLoop:
+    loop = EngineLoop(engine, max_queue=8, metrics=Metrics("m"), meter=NvmlMeter(lambda: 0), admission_wait=wait)
+    loop.runner.add(GenerationRequest((1, 2, 3), _params(), "active"))
+    loop.step_seconds = 1.0
+    return loop
+
+
+def test_admission_wait_is_skipped_when_freed_rows_have_not_been_refilled_lately(engine):
+    loop = _loop_with_one_active_row(engine, wait=0.2)
+    start = time.monotonic()
+    loop._await_arrivals(1)  # no history: a refill is expected at once, so the loop waits its limit
+    assert time.monotonic() - start >= 0.15
+    time.sleep(0.45)  # the freed row was never refilled: past the horizon it counts as a miss
+    start = time.monotonic()
+    loop._await_arrivals(1)
+    assert time.monotonic() - start < 0.05
+
+
+def test_admission_wait_ends_when_the_freed_row_is_filled(engine):
+    loop = _loop_with_one_active_row(engine, wait=5.0)
+
+    async def arrive_soon() -> float:
+        aio = asyncio.get_running_loop()
+        threading.Timer(0.05, lambda: loop.submit(Submission(GenerationRequest((4, 5), _params(), "next"), 0,
+                                                             asyncio.Queue(), aio, False))).start()
+        start = time.monotonic()
+        await asyncio.to_thread(loop._await_arrivals, 1)
+        return time.monotonic() - start
+
+    waited = asyncio.run(arrive_soon())
+    assert 0.04 <= waited < 0.4
+    assert loop._refills.expected_refill(time.monotonic()) < 0.5
