@@ -194,6 +194,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
     from dataclasses import asdict
     from pathlib import Path
 
+    import aiohttp
+
     from server.load_generator import builtin_workload, file_workload, format_report, run_load
 
     try:
@@ -205,9 +207,13 @@ def _bench_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    report = asyncio.run(run_load(args.base_url, workload, args.num_requests, concurrency=args.concurrency,
-                                  request_rate=args.request_rate, decoding=decoding, model=args.model,
-                                  max_tokens=args.max_tokens, api_key=args.api_key, seed=args.seed))
+    try:
+        report = asyncio.run(run_load(args.base_url, workload, args.num_requests, concurrency=args.concurrency,
+                                      request_rate=args.request_rate, decoding=decoding, model=args.model,
+                                      max_tokens=args.max_tokens, api_key=args.api_key, seed=args.seed))
+    except (OSError, aiohttp.ClientError) as err:  # the server is unreachable, or /v1/models refused us
+        print(f"error: {args.base_url}: {err}", file=sys.stderr)
+        return 2
     print(format_report(report))
     if args.json:
         Path(args.json).write_text(json.dumps(asdict(report), indent=1) + "\n")

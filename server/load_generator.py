@@ -6,6 +6,10 @@ Requests are streamed (so time to first token is measured as the client sees it)
 rate (open loop). The report has request and output-token throughput, TTFT and end-to-end latency
 (mean, p50, p90, p99), errors by status, the server-reported NFE per generated token, steps saved
 and joules per token, and, on the built-in dataset, exact-match accuracy next to the speed.
+
+The client is aiohttp, as in vLLM's serving benchmark: on a 2-core CPU that also runs the server,
+httpx's async client added ~2.5 ms to each request's round trip (docs/server.md), time and CPU
+the load generator would have put into the figures it reports.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import httpx
+import aiohttp
 from tqdm import tqdm
 
 
@@ -121,8 +125,8 @@ def is_correct(request: LoadRequest, text: str) -> Optional[bool]:
     return text.strip() == request.answer.strip()
 
 
-async def send(client: httpx.AsyncClient, model: str, request: LoadRequest, decoding: Optional[dict[str, Any]],
-               max_tokens: Optional[int]) -> RequestOutcome:
+async def send(session: aiohttp.ClientSession, base_url: str, model: str, request: LoadRequest,
+               decoding: Optional[dict[str, Any]], max_tokens: Optional[int]) -> RequestOutcome:
     chat = request.messages is not None
     body: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
     body.update({"messages": request.messages} if chat else {"prompt": request.prompt})
@@ -135,14 +139,15 @@ async def send(client: httpx.AsyncClient, model: str, request: LoadRequest, deco
     outcome = RequestOutcome(ok=False, status=0)
     pieces: list[str] = []
     try:
-        async with client.stream("POST", "/v1/chat/completions" if chat else "/v1/completions", json=body) as reply:
-            outcome.status = reply.status_code
-            if reply.status_code != 200:
-                await reply.aread()
-                outcome.error = reply.text[:300]
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        async with session.post(base_url + path, json=body) as reply:
+            outcome.status = reply.status
+            if reply.status != 200:
+                outcome.error = (await reply.text())[:300]
                 outcome.latency = time.perf_counter() - start
                 return outcome
-            async for line in reply.aiter_lines():
+            async for raw in reply.content:
+                line = raw.decode("utf-8").rstrip("\r\n")
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 event = json.loads(line[len("data: "):])
@@ -165,7 +170,7 @@ async def send(client: httpx.AsyncClient, model: str, request: LoadRequest, deco
                         outcome.fixed_step_budget += summary["fixed_step_budget"]
                         if summary.get("energy_joules") is not None:
                             outcome.joules = (outcome.joules or 0.0) + summary["energy_joules"]
-    except httpx.HTTPError as err:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as err:
         outcome.error = f"{type(err).__name__}: {err}"
     outcome.latency = time.perf_counter() - start
     outcome.text = "".join(pieces)
@@ -173,10 +178,10 @@ async def send(client: httpx.AsyncClient, model: str, request: LoadRequest, deco
     return outcome
 
 
-async def discover_model(client: httpx.AsyncClient) -> str:
-    reply = await client.get("/v1/models")
-    reply.raise_for_status()
-    return reply.json()["data"][0]["id"]
+async def discover_model(session: aiohttp.ClientSession, base_url: str) -> str:
+    async with session.get(base_url + "/v1/models") as reply:
+        reply.raise_for_status()
+        return (await reply.json())["data"][0]["id"]
 
 
 async def run_load(base_url: str, workload: list[LoadRequest], num_requests: int, *,
@@ -189,35 +194,35 @@ async def run_load(base_url: str, workload: list[LoadRequest], num_requests: int
     if (concurrency is not None and concurrency < 1) or (request_rate is not None and request_rate <= 0):
         raise ValueError("concurrency must be >= 1 and request_rate > 0")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    base = base_url.rstrip("/")
     chosen = [workload[i % len(workload)] for i in range(num_requests)]
-    bar = tqdm(total=num_requests, disable=not progress, desc="bench serve", dynamic_ncols=True)
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, limits=limits) as client:
-        model = model or await discover_model(client)
+    async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=timeout),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        model = model or await discover_model(session, base)
+        with tqdm(total=num_requests, disable=not progress, desc="bench serve", dynamic_ncols=True) as bar:
 
-        async def one(request: LoadRequest) -> RequestOutcome:
-            outcome = await send(client, model, request, decoding, max_tokens)
-            bar.update(1)
-            return outcome
+            async def one(request: LoadRequest) -> RequestOutcome:
+                outcome = await send(session, base, model, request, decoding, max_tokens)
+                bar.update(1)
+                return outcome
 
-        started = time.perf_counter()
-        if concurrency is not None:
-            gate = asyncio.Semaphore(concurrency)
+            started = time.perf_counter()
+            if concurrency is not None:
+                gate = asyncio.Semaphore(concurrency)
 
-            async def gated(request: LoadRequest) -> RequestOutcome:
-                async with gate:
-                    return await one(request)
+                async def gated(request: LoadRequest) -> RequestOutcome:
+                    async with gate:
+                        return await one(request)
 
-            outcomes = await asyncio.gather(*(gated(r) for r in chosen))
-        else:
-            rng = random.Random(seed)
-            tasks = []
-            for request in chosen:  # Poisson arrivals: exponential gaps between sends
-                tasks.append(asyncio.create_task(one(request)))
-                await asyncio.sleep(rng.expovariate(request_rate))
-            outcomes = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - started
-    bar.close()
+                outcomes = await asyncio.gather(*(gated(r) for r in chosen))
+            else:
+                rng = random.Random(seed)
+                tasks = []
+                for request in chosen:  # Poisson arrivals: exponential gaps between sends
+                    tasks.append(asyncio.create_task(one(request)))
+                    await asyncio.sleep(rng.expovariate(request_rate))
+                outcomes = await asyncio.gather(*tasks)
+            duration = time.perf_counter() - started
     return summarise(base_url, model, chosen, list(outcomes), duration, concurrency, request_rate)
 
 

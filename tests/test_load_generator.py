@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -56,7 +57,25 @@ def test_bench_serve_against_the_real_server(tmp_path):
         assert report["completed"] == 12 and report["errors_by_status"] == {}
         assert report["ttft_s"]["p50"] <= report["e2e_latency_s"]["p50"]
         assert 0 < report["nfe_per_token"] and report["answered"] == 12
+        assert all(o["text"] and o["completion_tokens"] > 0 for o in report["outcomes"])
+        refused = subprocess.run([sys.executable, "-m", "server.cli", "bench", "serve", "--base-url", base,
+                                  "--num-requests", "3", "--concurrency", "2", "--decoding", '{"threshold": 7}',
+                                  "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert refused.returncode == 1, refused.stderr
+        report = json.loads(out.read_text())
+        assert report["errors_by_status"] == {"400": 3}
+        assert "threshold" in report["outcomes"][0]["error"]
         rate = subprocess.run([sys.executable, "-m", "server.cli", "bench", "serve", "--base-url", base,
                                "--num-requests", "6", "--request-rate", "20", "--max-tokens", "32"],
                               cwd=REPO, capture_output=True, text=True, timeout=300)
         assert rate.returncode == 0 and "request rate 20.0/s" in rate.stdout, rate.stderr
+
+
+def test_bench_serve_says_when_the_server_cannot_be_reached():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens once the socket is closed
+    run = subprocess.run([sys.executable, "-m", "server.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
+                          "--num-requests", "1", "--concurrency", "1"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2 and run.stderr.startswith("error: http://127.0.0.1:"), run.stderr
