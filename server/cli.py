@@ -83,12 +83,8 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-_TRAIN_FLAGS = ("arch", "d_model", "layers", "heads", "mlp_hidden", "rope_theta", "batch_size", "steps", "lr",
-                "warmup", "weight_decay", "seed", "micro_batches", "full_canvas_share", "max_extra_fill",
-                "prefix_mask_share")
-
-
 def _train(args: argparse.Namespace) -> int:
+    from dataclasses import fields
     from pathlib import Path
 
     import torch
@@ -98,7 +94,8 @@ def _train(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     # flags left out keep TrainConfig's defaults, the built-in recipe (one place for them)
-    config = TrainConfig(**{name: getattr(args, name) for name in _TRAIN_FLAGS if getattr(args, name) is not None})
+    config = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)
+                            if getattr(args, f.name, None) is not None})
     log = train(config, Path(args.out), resume=args.resume, max_minutes=args.max_minutes, device=args.device)
     last = log["losses"][-1][1] if log["losses"] else float("nan")
     print(f"trained {log['step']} steps in {log['seconds'] / 60:.1f} min; final loss {last:.4f}; saved to {args.out}")
