@@ -307,7 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--steps", type=int)
     tr.add_argument("--lr", type=float)
     tr.add_argument("--warmup", type=int)
-    tr.add_argument("--weight-decay", type=float, help="AdamW weight decay")
+    tr.add_argument("--weight-decay", type=float, help="decoupled weight decay")
+    tr.add_argument("--optimizer", choices=("adamw", "muon"),
+                    help="muon: Muon on the hidden weight matrices, AdamW on the rest")
     tr.add_argument("--seed", type=int)
     tr.add_argument("--micro-batches", type=int, help="length-sorted groups per step, each its own canvas")
     tr.add_argument("--full-canvas-share", type=float, help="share of groups given the full canvas")

@@ -12,15 +12,15 @@ from engine.builtin.train import TrainConfig, masked_diffusion_loss, train
 from engine.checkpoint import CheckpointFiles
 
 
-def _small(arch: str, steps: int) -> TrainConfig:
+def _small(arch: str, steps: int, optimizer: str = "adamw") -> TrainConfig:
     return TrainConfig(arch=arch, d_model=48, layers=2, heads=4, mlp_hidden=96, batch_size=8, steps=steps,
-                       lr=3e-3, warmup=5, checkpoint_every=10)
+                       lr=3e-3, warmup=5, checkpoint_every=10, optimizer=optimizer)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llada", "dream"])
-def test_smoke_training_loss_falls_and_checkpoint_loads(arch, tmp_path):
-    log = train(_small(arch, 100), tmp_path, progress=False)
+@pytest.mark.parametrize(("arch", "optimizer"), [("llada", "adamw"), ("dream", "adamw"), ("llada", "muon")])
+def test_smoke_training_loss_falls_and_checkpoint_loads(arch, optimizer, tmp_path):
+    log = train(_small(arch, 100, optimizer), tmp_path, progress=False)
     losses = [loss for _, loss in log["losses"]]
     assert losses[-1] < 0.6 * losses[0]
     model = load_model(tmp_path)
@@ -37,8 +37,9 @@ def test_smoke_training_loss_falls_and_checkpoint_loads(arch, tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_continues_exactly(tmp_path):
-    config = _small("llada", 30)
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_continues_exactly(optimizer, tmp_path):
+    config = _small("llada", 30, optimizer)
     straight = train(config, tmp_path / "straight", progress=False)
     stopped = train(config, tmp_path / "resumed", progress=False, stop_at=15)
     assert stopped["step"] == 15
@@ -49,7 +50,7 @@ def test_resume_continues_exactly(tmp_path):
     b = load_model(tmp_path / "resumed").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ValueError, match="another training config"):
-        train(_small("llada", 40), tmp_path / "resumed", resume=True, progress=False)
+        train(_small("llada", 40, optimizer), tmp_path / "resumed", resume=True, progress=False)
 
 
 class _RecordingModel(torch.nn.Module):

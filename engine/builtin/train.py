@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from engine.builtin import char_tokenizer as chars
 from engine.builtin.formats import dream_config, generation_config, llada_config, save_checkpoint
+from engine.builtin.optim import OPTIMIZERS, Optimizer, build_optimizer
 from engine.builtin.tasks import DEFAULT_MIX, Problem, problems
 from engine.models.dream import DreamModel
 from engine.models.llada import LLaDAModel
@@ -73,6 +74,7 @@ class TrainConfig:
     # Share of examples masked only after a random cut in the canvas (a response prefix stays
     # visible): the pattern a one-token-per-step decoder meets when it fills a chain left to right.
     prefix_mask_share: float = 0.0
+    optimizer: str = "adamw"  # or "muon" (engine/builtin/optim.py)
     mix: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_MIX))
 
     def __post_init__(self) -> None:
@@ -82,6 +84,8 @@ class TrainConfig:
             raise ValueError(f"micro_batches must be in 1..batch_size, got {self.micro_batches}")
         if not 0.0 <= self.prefix_mask_share <= 1.0:
             raise ValueError(f"prefix_mask_share must be in [0, 1], got {self.prefix_mask_share}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
 
 
 def hf_config_for(config: TrainConfig) -> dict[str, Any]:
@@ -191,11 +195,11 @@ def step_examples(config: TrainConfig, step: int) -> list[Problem]:
     return [next(stream) for _ in range(config.batch_size)]
 
 
-def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
+def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> Optimizer:
+    return build_optimizer(model, config.optimizer, config.lr, config.weight_decay)
 
 
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig, step: int,
+def train_step(model: torch.nn.Module, optimizer: Optimizer, config: TrainConfig, step: int,
                device: str = "cpu") -> float:
     """One optimizer step on step `step`'s examples; returns its loss."""
     for group in optimizer.param_groups:
