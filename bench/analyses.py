@@ -27,9 +27,9 @@ import matplotlib.pyplot as plt
 import torch
 
 from engine import Engine, EngineConfig
-from engine.builtin.evaluate import EvalConfig, dual_cache_refresh, evaluate, hardware, held_out_problems
 from engine.chat import chat_prompt_ids
 from engine.decoding.policies import CONF_HIGH, CONF_LOW
+from tinymodels.evaluate import EvalConfig, dual_cache_refresh, evaluate, hardware, held_out_problems
 
 BANDS = ("> 0.5", "0.25 – 0.5", "< 0.25")
 STABLE_FOR = 3

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from engine.builtin.evaluate import hardware
 from engine.models.layers import write_kv
+from tinymodels.evaluate import hardware
 
 SHAPES = {"llada-tiny": (8, 4, 160, 32), "LLaDA-8B": (8, 32, 600, 128)}  # batch, heads, width, head dim
 BLOCK = 32

@@ -82,7 +82,7 @@ t = time.perf_counter()
 if mode == "engine":
     model = engine.load_model(path, dtype=torch.bfloat16)
 else:
-    from engine.checkpoint import CheckpointFiles
+    from engine.loading.checkpoint import CheckpointFiles
     from engine.models.registry import model_class_for
     ckpt = CheckpointFiles.open(path)
     cls = model_class_for(ckpt.config)

@@ -5,7 +5,7 @@ max_batch 8 in this process, (b) through a `cai-dllm serve` subprocess from 1 cl
 (c) from 8 concurrent clients. Reported: generated tokens/s (completion tokens only, wall clock),
 the server/offline ratio at concurrency 8, and the speed-up of 8 clients over 1. Every request is
 checked to give the same text through the server as offline (temperature 0). Also reported: engine
-steps, mean rows per step (offline: counted around the runner's step; server: from /metrics), the
+steps, mean rows per step (offline: counted around the engine's step; server: from /metrics), the
 mean time a server request waited for a row, and its HTTP overhead (the client's latency minus the
 server's own end-to-end latency: the response, the client and the next request), which together
 say where the server's time goes.
@@ -32,10 +32,9 @@ import httpx
 import torch
 
 from engine import Engine, EngineConfig
-from engine.builtin.evaluate import dual_cache_refresh, hardware, held_out_problems
 from engine.chat import chat_prompt_ids
 from engine.decoding import DecodeParams
-from engine.decoding.runner import BlockDiffusionRunner
+from tinymodels.evaluate import dual_cache_refresh, hardware, held_out_problems
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -191,21 +190,22 @@ def wait_ready(base: str, server: subprocess.Popen) -> None:
 
 
 def run_offline(engine: Engine, prompts: list[list[int]], params: DecodeParams) -> tuple[list, Run]:
-    """`engine.generate` on every prompt, counting the rows of each runner step on the side."""
+    """`engine.generate` on every prompt, counting the rows of each engine step on the side."""
     step_rows: list[int] = []
-    unobserved_step = BlockDiffusionRunner.step
+    unobserved_step = engine.step
 
-    def observed_step(runner: BlockDiffusionRunner) -> list:
-        step_rows.append(runner.num_active)
-        return unobserved_step(runner)
+    def observed_step() -> list:
+        outputs = unobserved_step()
+        step_rows.append(len(outputs))
+        return outputs
 
-    BlockDiffusionRunner.step = observed_step  # type: ignore[method-assign]
+    engine.step = observed_step  # type: ignore[method-assign]
     try:
         start = time.perf_counter()
         results = engine.generate(prompts, params)
         seconds = time.perf_counter() - start
     finally:
-        BlockDiffusionRunner.step = unobserved_step  # type: ignore[method-assign]
+        del engine.step
     tokens = sum(len(r.response_ids) for r in results)
     return results, Run(seconds, tokens, len(step_rows), sum(step_rows) / len(step_rows))
 

@@ -14,8 +14,8 @@ import sys
 import torch
 
 from engine import load_model
-from engine.builtin.tasks import KINDS, sample
-from engine.builtin.train import encode_examples
+from tinymodels.tasks import KINDS, sample
+from tinymodels.train import encode_examples
 
 PER_KIND = 24
 SHOWN_POSITIONS = 24

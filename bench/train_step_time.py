@@ -1,6 +1,6 @@
 """CPU cost of one training step for several model shapes (what sized the built-in models' recipe).
 
-Each shape runs 16 steps of the real training step (`engine.builtin.train.train_step`) on
+Each shape runs 16 steps of the real training step (`tinymodels.train.train_step`) on
 the configured threads; the mean of the last 12 is reported with the steps that fit in 45 minutes.
 
     python bench/train_step_time.py --threads 2
@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from engine.builtin.train import TrainConfig, build_model, make_optimizer, train_step
+from tinymodels.train import TrainConfig, build_model, make_optimizer, train_step
 
 SHAPES = [("llada", 160, 4, 448), ("llada", 128, 6, 384), ("llada", 128, 8, 384), ("llada", 96, 8, 288),
           ("llada", 96, 10, 288), ("llada", 112, 8, 320), ("dream", 128, 6, 384)]

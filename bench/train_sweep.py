@@ -61,8 +61,8 @@ def _run(name: str, overrides: dict[str, Any], args: argparse.Namespace, queue: 
     import torch
 
     from engine import Engine, EngineConfig
-    from engine.builtin.evaluate import default_configs, evaluate, held_out_problems
-    from engine.builtin.train import TrainConfig, train
+    from tinymodels.evaluate import default_configs, evaluate, held_out_problems
+    from tinymodels.train import TrainConfig, train
 
     torch.set_num_threads(1)
     overrides = dict(overrides)

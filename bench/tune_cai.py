@@ -14,8 +14,8 @@ import argparse
 from typing import Any
 
 from engine import Engine, EngineConfig
-from engine.builtin.evaluate import EvalConfig, default_configs, dual_cache_refresh, evaluate, format_table, hardware
-from engine.builtin.tasks import sample
+from tinymodels.evaluate import EvalConfig, default_configs, dual_cache_refresh, evaluate, format_table, hardware
+from tinymodels.tasks import sample
 
 VALIDATION_SEED = 99_991
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.tokenizer import encode_text
+from engine.loading.tokenizer import encode_text
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:

@@ -15,9 +15,13 @@ class EngineConfig:
     dtype: str = "float32"
     max_batch: int = 8  # rows decoded together in one step
     use_flash_attn: Optional[bool] = None  # None: when installed and usable
+    max_model_len: Optional[int] = None  # prompt + canvas; None: the model's context
 
     def __post_init__(self) -> None:
         if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {self.max_batch!r}")
+        if self.max_model_len is not None and (isinstance(self.max_model_len, bool)
+                                               or not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if self.dtype.lower() not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {self.dtype!r}")

@@ -1,4 +1,6 @@
-"""Exceptions the engine raises for problems a user can fix (bad checkpoint, bad device)."""
+"""Exceptions the engine raises for problems a user can fix (bad checkpoint, device or request)."""
+
+from typing import Optional
 
 
 class CheckpointError(ValueError):
@@ -7,3 +9,13 @@ class CheckpointError(ValueError):
 
 class DeviceError(ValueError):
     """The requested device or dtype cannot be used on this machine."""
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take. `param` names the request field at fault (`prompt_ids` or
+    `gen_length`); `code` is set for a context-length overflow."""
+
+    def __init__(self, message: str, param: str = "prompt_ids", code: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code

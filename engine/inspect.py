@@ -7,11 +7,11 @@ from typing import Any, Union
 
 import torch
 
-from engine.checkpoint import CheckpointFiles
 from engine.errors import CheckpointError
-from engine.loader import plan_weights
+from engine.loading.checkpoint import CheckpointFiles
+from engine.loading.safetensors_stream import read_header
+from engine.loading.weights import plan_weights
 from engine.models.registry import model_class_for
-from engine.safetensors_stream import read_header
 
 
 def describe_checkpoint(path: Union[str, Path]) -> dict[str, Any]:

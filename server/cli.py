@@ -44,9 +44,9 @@ def _decode_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from engine import CheckpointError, DeviceError, load_model, load_tokenizer
+    from engine import CheckpointError, DeviceError, RequestError, load_model, load_tokenizer
     from engine.chat import chat_prompt_ids
-    from engine.decoding import DecodeParamError, DecodeParams, RequestError, generate
+    from engine.decoding import DecodeParamError, DecodeParams, generate
 
     try:
         params = DecodeParams.from_dict(_decode_overrides(args))
@@ -89,7 +89,7 @@ def _train(args: argparse.Namespace) -> int:
 
     import torch
 
-    from engine.builtin.train import TrainConfig, train
+    from tinymodels.train import TrainConfig, train
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -104,8 +104,8 @@ def _train(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from engine import Engine, EngineConfig
-    from engine.builtin.evaluate import EvalConfig, default_configs, evaluate, format_table, hardware, held_out_problems
     from engine.errors import CheckpointError, DeviceError
+    from tinymodels.evaluate import EvalConfig, default_configs, evaluate, format_table, hardware, held_out_problems
 
     try:
         engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
@@ -294,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser("train", help="train a built-in tiny model on the task family",
                         description="Flags left out take the built-in recipe: the defaults of "
-                                    "engine.builtin.train.TrainConfig (docs/models.md).")
+                                    "tinymodels.train.TrainConfig (docs/models.md).")
     tr.add_argument("--arch", choices=("llada", "dream"))
     tr.add_argument("--out", required=True)
     tr.add_argument("--d-model", type=int)

@@ -79,7 +79,7 @@ class LoadReport:
 
 def builtin_workload(n: int, seed: int) -> list[LoadRequest]:
     """Held-out problems of the built-in task family, as chat requests with their answers."""
-    from engine.builtin.tasks import sample
+    from tinymodels.tasks import sample
 
     return [LoadRequest(messages=[{"role": "user", "content": p.prompt}], answer=p.answer, kind=p.kind)
             for p in sample(n, seed)]
@@ -119,7 +119,7 @@ def is_correct(request: LoadRequest, text: str) -> Optional[bool]:
     if request.answer is None:
         return None
     if request.kind is not None:
-        from engine.builtin.tasks import answer_of
+        from tinymodels.tasks import answer_of
 
         return answer_of(request.kind, text) == request.answer
     return text.strip() == request.answer.strip()

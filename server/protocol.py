@@ -12,7 +12,9 @@ import random
 import time
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from engine.decoding.types import RequestStats
 
 # OpenAI fields we do not implement, with the value that means "not used".
 UNSUPPORTED_COMPLETION = {"logprobs": None, "echo": False, "best_of": 1, "logit_bias": None, "suffix": None,
@@ -114,6 +116,97 @@ class DecodingSummary(BaseModel):
     fixed_step_budget: int
     forced_commits: int
     grinding_exits: int
+    energy_joules: Optional[float] = None  # only where an energy meter is read
+
+    @model_serializer(mode="wrap")
+    def _drop_unmeasured(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if self.energy_joules is None:  # no meter: no value, rather than an invented 0
+            data.pop("energy_joules", None)
+        return data
+
+    @classmethod
+    def of(cls, stats: RequestStats, joules: Optional[float]) -> DecodingSummary:
+        return cls(nfe=stats.nfe, steps=stats.steps, steps_saved=stats.steps_saved,
+                   fixed_step_budget=stats.fixed_step_budget, forced_commits=stats.forced_commits,
+                   grinding_exits=stats.grinding_exits, energy_joules=joules)
+
+
+# ------------------------------------------------------------------------------ response bodies
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Optional[str]
+    logprobs: None = None
+    decoding: Optional[DecodingSummary] = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: Optional[str]
+    logprobs: None = None
+    decoding: Optional[DecodingSummary] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _only_what_is_set(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    finish_reason: Optional[str] = None
+    logprobs: None = None
+    decoding: Optional[DecodingSummary] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Optional[Usage] = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
 
 
 # Ids come from a generator of our own, not uuid4: os.urandom releases the GIL, and with the engine

@@ -1,10 +1,11 @@
-"""The scheduler: an asyncio front end feeding an engine loop that runs in its own thread.
+"""The bridge between asyncio handlers and the engine, which steps in a thread of its own.
 
-The event loop never computes: handlers `submit` requests into a bounded waiting queue and await
-events on their own asyncio queue. The engine thread owns the runner: each iteration it applies
-aborts, admits waiting requests into free rows (step-level continuous batching: a request joins at
-the next step, a finished or aborted one leaves at once), runs one step, and posts progress (the
-final prefix, for streams) and results back with `call_soon_threadsafe`.
+Handlers `submit` requests: the engine validates and queues them at once (`Engine.add_request` is
+thread-safe), so a bad request fails in its handler and the waiting queue is the engine's own.
+The engine thread only loops over `Engine.step()` and routes each step's outputs to the
+submissions they belong to: one callback per event loop per step (`call_soon_threadsafe`) carries
+every event of that step. A streamed request gets every non-empty delta; a whole one collects its
+deltas here and gets them with its result, so it wakes once.
 
 After a step that frees rows nobody is waiting for, the loop may hold the next step a few
 milliseconds for the requests about to fill them (server/admission.py: bounded by the freed rows'
@@ -16,12 +17,11 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
-from engine.decoding import GenerationRequest, GenerationResult, RequestError
-from engine.engine import Engine
+from engine import Engine, GenerationRequest, GenerationResult, StepOutput
 from server.admission import RefillTracker, admission_limit
 from server.energy import EnergyMeter, share_energy
 from server.metrics import Metrics
@@ -35,9 +35,9 @@ class QueueFull(Exception):
 
 @dataclass
 class Event:
-    kind: str  # "progress" (stable ids so far), "done" (result), "error" (message)
+    kind: str  # "delta" (token ids that became final), "done" (result, with the last ids), "error" (message)
     choice: int
-    ids: Optional[list[int]] = None
+    ids: tuple[int, ...] = ()
     result: Optional[GenerationResult] = None
     message: str = ""
     joules: Optional[float] = None
@@ -49,15 +49,19 @@ class Submission:
     choice: int
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
-    stream: bool
+    stream: bool  # known when the submission is built: streams get each delta as it comes
     submitted: float = field(default_factory=time.perf_counter)
-    admitted: Optional[float] = None
     first_token: Optional[float] = None
     joules: float = 0.0
-    sent: int = 0
+    held: list[int] = field(default_factory=list)  # a whole response's deltas, until it finishes
 
     def post(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+
+def _deliver(events: Sequence[tuple[asyncio.Queue, Event]]) -> None:
+    for queue, event in events:
+        queue.put_nowait(event)
 
 
 class EngineLoop:
@@ -68,10 +72,7 @@ class EngineLoop:
         self.admission_wait = admission_wait
         self.metrics = metrics
         self.meter = meter
-        self.runner = engine.new_runner()
-        self._waiting: deque[Submission] = deque()
         self._active: dict[str, Submission] = {}
-        self._aborts: set[str] = set()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -97,27 +98,33 @@ class EngineLoop:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return self.engine.num_waiting
 
     @property
     def num_pending(self) -> int:
         """Requests waiting or decoding."""
         with self._lock:
-            return len(self._waiting) + len(self._active)
+            return len(self._active)
 
     def submit(self, submission: Submission) -> None:
+        """Queue a request in the engine; raises QueueFull, or the engine's RequestError for a
+        request it cannot take (the message names what is wrong)."""
+        request = submission.request
         with self._lock:
-            if len(self._waiting) >= self.max_queue:
+            if self.engine.num_waiting >= self.max_queue:
                 raise QueueFull
-            self._waiting.append(submission)
+            self.engine.add_request(request.prompt_ids, request.params, request.request_id,
+                                    queued_at=submission.submitted)
+            self._active[request.request_id] = submission
         if self.admission_wait > 0:
             self._refills.request_arrived(time.monotonic())
-        self.metrics.labels(self.metrics.waiting).set(len(self._waiting))
+        self._update_gauges()
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            self._aborts.add(request_id)
+            self._active.pop(request_id, None)
+        self.engine.abort(request_id)
         self._wake.set()
 
     # ------------------------------------------------------------------ the engine thread
@@ -126,9 +133,7 @@ class EngineLoop:
         freed = 0
         while not self._stop.is_set():
             self._await_arrivals(freed)
-            self._apply_aborts()
-            self._admit()
-            if self.runner.num_active == 0:
+            if not self.engine.has_unfinished():
                 self.last_progress = time.monotonic()
                 self._wake.wait(_IDLE_WAIT)
                 self._wake.clear()
@@ -136,18 +141,21 @@ class EngineLoop:
             try:
                 freed = self._step()
             except Exception as err:  # a bug of ours: fail the rows in flight, keep serving
-                for sub in list(self._active.values()):
-                    self.runner.abort(sub.request.request_id)
-                    sub.post(Event("error", sub.choice, message=f"internal error in the engine: {err!r}"))
-                self._active.clear()
-                self.runner = self.engine.new_runner()
+                self._fail_all(f"internal error in the engine: {err!r}")
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            failed, self._active = list(self._active.values()), {}
+            self.engine.reset()  # the failed step may have left rows half advanced
+        for sub in failed:
+            sub.post(Event("error", sub.choice, message=message))
 
     def _await_arrivals(self, freed: int) -> None:
-        if freed == 0 or self.admission_wait <= 0 or self.runner.num_active == 0:
+        active = self.engine.num_running
+        if freed == 0 or self.admission_wait <= 0 or active == 0:
             return
-        active = self.runner.num_active
-        wanted = min(freed, self.runner.max_batch - active)
-        unfilled = wanted - len(self._waiting)
+        wanted = min(freed, self.engine.max_batch - active)
+        unfilled = wanted - self.engine.num_waiting
         if unfilled <= 0:
             return
         now = time.monotonic()
@@ -156,91 +164,85 @@ class EngineLoop:
         if self._refills.expected_refill(now) > limit:
             return
         deadline = now + limit
-        while not self._stop.is_set() and len(self._waiting) < wanted:
+        while not self._stop.is_set() and self.engine.num_waiting < wanted:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
             self._wake.wait(remaining)
             self._wake.clear()
 
-    def _apply_aborts(self) -> None:
-        with self._lock:
-            aborts, self._aborts = self._aborts, set()
-            kept = deque(s for s in self._waiting if s.request.request_id not in aborts)
-            self._waiting = kept
-        for request_id in aborts:
-            if request_id in self._active:
-                self.runner.abort(request_id)
-                del self._active[request_id]
-        self._update_gauges()
-
-    def _admit(self) -> None:
-        while self.runner.has_capacity:
-            with self._lock:
-                if not self._waiting:
-                    break
-                sub = self._waiting.popleft()
-            try:
-                self.runner.add(sub.request, queued_at=sub.submitted)
-            except RequestError as err:
-                sub.post(Event("error", sub.choice, message=str(err)))
-                continue
-            sub.admitted = time.perf_counter()
-            self.metrics.labels(self.metrics.queue_time).observe(sub.admitted - sub.submitted)
-            self._active[sub.request.request_id] = sub
-        self._update_gauges()
-
     def _update_gauges(self) -> None:
-        self.metrics.labels(self.metrics.waiting).set(len(self._waiting))
-        self.metrics.labels(self.metrics.running).set(len(self._active))
+        m = self.metrics
+        m.labels(m.waiting).set(self.engine.num_waiting)
+        m.labels(m.running).set(self.engine.num_running)
 
     def _step(self) -> int:
-        """One step of every active row; returns how many rows it finished."""
+        """One engine step; returns how many rows it finished."""
         m = self.metrics
         before = self.meter.read_joules()
-        batch = self.runner.num_active
         started = time.monotonic()
-        finished = self.runner.step()
+        outputs = self.engine.step()
         took = time.monotonic() - started
         after = self.meter.read_joules()
         self.step_seconds = took if self.steps == 0 else 0.8 * self.step_seconds + 0.2 * took
         self.steps += 1
         self.last_progress = time.monotonic()
-        m.labels(m.batch_size).observe(batch)
-        if before is not None and after is not None:
+        if outputs:
+            m.labels(m.batch_size).observe(len(outputs))
+        with self._lock:
+            subs = [self._active.get(o.request_id) for o in outputs]
+        if before is not None and after is not None and outputs:
             step_joules = max(0.0, after - before)
             m.labels(m.joules).inc(step_joules)
-            for request_id, joules in share_energy(step_joules, self.runner.last_step_work).items():
-                if request_id in self._active:
-                    self._active[request_id].joules += joules
-        done = {r.request_id: r for r in finished}
+            shares = share_energy(step_joules, {o.request_id: o.fed_tokens for o in outputs})
+            for sub, output in zip(subs, outputs, strict=True):
+                if sub is not None:
+                    sub.joules += shares.get(output.request_id, 0.0)
         now = time.perf_counter()
-        for request_id, sub in list(self._active.items()):
-            result = done.get(request_id)
-            if result is not None:
-                m.labels(m.tokens_per_step).observe(result.stats.tokens_per_step[-1])
-                self._finish(sub, result, now)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Event]]] = {}
+        finished = 0
+        for sub, output in zip(subs, outputs, strict=True):
+            m.labels(m.tokens_per_step).observe(output.committed)
+            if sub is None:  # aborted while the step ran
                 continue
-            m.labels(m.tokens_per_step).observe(self.runner.rows_last_commits.get(request_id, 0))
-            if sub.first_token is not None and not sub.stream:
-                continue  # nothing left to learn from its committed prefix before it finishes
-            ids = self.runner.stable_ids(request_id)
-            if ids and sub.first_token is None:
-                sub.first_token = now
-                m.labels(m.ttft).observe(now - sub.submitted)
-            if sub.stream and len(ids) > sub.sent:
-                sub.sent = len(ids)
-                sub.post(Event("progress", sub.choice, ids=ids))
+            event = self._event(sub, output, now)
+            if event is not None:
+                by_loop.setdefault(sub.loop, []).append((sub.queue, event))
+            finished += output.finished
+        for loop, events in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, events)
         self._update_gauges()
-        return len(done)
+        return finished
 
-    def _finish(self, sub: Submission, result: GenerationResult, now: float) -> None:
+    def _event(self, sub: Submission, output: StepOutput, now: float) -> Optional[Event]:
         m = self.metrics
-        del self._active[sub.request.request_id]
+        if output.new_token_ids and sub.first_token is None:
+            sub.first_token = now
+            m.labels(m.ttft).observe(now - sub.submitted)
+        if output.result is None:
+            if not output.new_token_ids:
+                return None
+            if sub.stream:
+                return Event("delta", sub.choice, ids=output.new_token_ids)
+            sub.held.extend(output.new_token_ids)
+            return None
+        with self._lock:
+            self._active.pop(output.request_id, None)
+        self._observe_finish(sub, output.result, now)
+        ids = output.new_token_ids
+        if sub.held:
+            ids = (*sub.held, *ids)
+            sub.held = []
+        joules = sub.joules if self.meter.name != "none" else None
+        return Event("done", sub.choice, ids=ids, result=output.result, joules=joules)
+
+    def _observe_finish(self, sub: Submission, result: GenerationResult, now: float) -> None:
+        m = self.metrics
         if sub.first_token is None:
             sub.first_token = now
             m.labels(m.ttft).observe(now - sub.submitted)
         stats = result.stats
+        m.labels(m.queue_time).observe(stats.queue_time)
         m.labels(m.e2e).observe(now - sub.submitted)
         m.labels(m.nfe).observe(stats.nfe)
         m.labels(m.steps_saved_request).observe(stats.steps_saved)
@@ -248,15 +250,6 @@ class EngineLoop:
         m.labels(m.steps).inc(stats.steps)
         m.labels(m.forced).inc(stats.forced_commits)
         m.labels(m.grinding).inc(stats.grinding_exits)
-        joules = None
         if self.meter.name != "none":
-            joules = sub.joules
-            m.labels(m.request_joules).observe(joules)
-        sub.post(Event("done", sub.choice, result=result, joules=joules))
+            m.labels(m.request_joules).observe(sub.joules)
 
-
-def summary_of(result: GenerationResult) -> dict[str, Any]:
-    stats = result.stats
-    return {"nfe": stats.nfe, "steps": stats.steps, "steps_saved": stats.steps_saved,
-            "fixed_step_budget": stats.fixed_step_budget, "forced_commits": stats.forced_commits,
-            "grinding_exits": stats.grinding_exits}

@@ -1,11 +1,13 @@
 """From an OpenAI request to engine submissions, and from engine events to JSON or SSE chunks.
 
 - decoding knobs: model defaults <- `--default-decoding` <- the request's `decoding` object <- its
-  OpenAI fields (`temperature`, `seed`, `top_p`, `max_tokens`);
+  OpenAI fields (`temperature`, `seed`, `top_p`, `max_tokens`); the engine validates the request and
+  fills the model's defaults once, when it is submitted;
 - `max_tokens` is the generation canvas, rounded up to whole blocks (block_length, 32 by default;
   Dream's own policies decode one block of exactly max_tokens);
-- stop strings are applied to the decoded text; streams hold back any tail that could start one;
-- `finish_reason` comes from `finish_reason_of`, the one place engine outcomes map to OpenAI's.
+- one loop (`_run`) serves streamed and whole responses alike: it feeds each choice's token deltas
+  to its `ChoiceOutput` (server/output.py: incremental detokenization, end tokens, stop strings,
+  finish reasons) and yields what may be sent; a whole response is the same pieces joined.
 """
 
 from __future__ import annotations
@@ -15,71 +17,41 @@ import json
 import math
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine.decoding import DecodeParamError, DecodeParams, GenerationRequest, GenerationResult
-from engine.decoding.params import resolve_defaults
-from engine.engine import Engine
-from engine.tokenizer import encode_text
+from engine import Engine, RequestError
+from engine.decoding import DecodeParamError, DecodeParams, GenerationRequest
+from engine.loading.tokenizer import encode_text
 from server.errors import APIError, error_body
 from server.metrics import Metrics
+from server.output import ChoiceOutput
 from server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionChunk,
     CompletionRequest,
+    CompletionResponse,
     DecodingSummary,
     Usage,
     new_id,
     now,
 )
-from server.scheduler import EngineLoop, Event, QueueFull, Submission, summary_of
+from server.scheduler import EngineLoop, QueueFull, Submission
 from server.settings import ServerSettings
 
 DEFAULT_BLOCK = 32
 RETRY_AFTER_SECONDS = 1
-
-
-def finish_reason_of(engine_reason: str, stopped_by_string: bool) -> str:
-    """The one mapping from engine outcomes to OpenAI's finish_reason."""
-    if stopped_by_string or engine_reason == "stop":
-        return "stop"
-    if engine_reason == "length":
-        return "length"
-    return "abort"
-
-
-def apply_stop(text: str, stops: list[str]) -> tuple[str, bool]:
-    cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
-    return (text[:cut], True) if cut >= 0 else (text, False)
-
-
-def safe_stream_length(text: str, stops: list[str]) -> int:
-    """How much of `text` can be sent now: everything except a tail that could begin a stop string
-    (and a trailing replacement character from a split multi-byte sequence)."""
-    limit = len(text.rstrip("\ufffd"))
-    for stop in stops:
-        for k in range(min(len(stop) - 1, limit), 0, -1):
-            if text[:limit].endswith(stop[:k]):
-                limit = min(limit, len(text[:limit]) - k)
-                break
-    return limit
-
-
-@dataclass
-class Choice:
-    index: int
-    prompt_ids: list[int]
-    submission: Submission
-    text: str = ""
-    sent: int = 0
-    finished: bool = False
-    finish_reason: Optional[str] = None
-    result: Optional[GenerationResult] = None
-    completion_tokens: int = 0
-    joules: Optional[float] = None
+# How often a request waiting on the engine checks whether its client is still there.
+_DISCONNECT_POLL_SECONDS = 0.25
 
 
 class Serving:
@@ -88,7 +60,8 @@ class Serving:
         self.loop = loop
         self.settings = settings
         self.metrics = metrics
-        self.max_model_len = settings.max_model_len or engine.model.config.max_position_embeddings
+        self.max_model_len = engine.max_model_len
+        self.end_ids = frozenset(engine.model.special.end_ids)
         self._defaults = dict(settings.default_decoding)
         DecodeParams.from_dict(self._defaults)  # fail at start-up, not per request
 
@@ -109,7 +82,7 @@ class Serving:
             raise APIError(400, str(err), param=param) from None
         except TypeError as err:
             raise APIError(400, f"invalid decoding object: {err}", param="decoding") from None
-        return resolve_defaults(params, self.engine.architecture)
+        return params
 
     @staticmethod
     def _canvas(max_tokens: int, knobs: dict[str, Any]) -> int:
@@ -157,123 +130,109 @@ class Serving:
         except Exception as err:  # the checkpoint's template refused these messages
             raise APIError(400, f"the chat template cannot render these messages: {err}", param="messages") from None
 
-    def _check_prompt(self, ids: list[int], params: DecodeParams) -> None:
-        vocab = self.engine.model.config.vocab_size
-        if not ids:
-            raise APIError(400, "prompt must not be empty", param="prompt")
-        if any(not 0 <= t < vocab for t in ids):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        if len(ids) + params.gen_length > self.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
-                           f"has {len(ids)} and the generation canvas {params.gen_length}", param="max_tokens",
-                           code="context_length_exceeded")
-
-    def _submit_all(self, prompts: list[list[int]], params: DecodeParams, n: int,
-                    queue: asyncio.Queue) -> list[Choice]:
+    def _submit_all(self, prompts: list[list[int]], params: DecodeParams, n: int, stream: bool,
+                    stops: list[str]) -> tuple[list[ChoiceOutput], asyncio.Queue]:
         if len(prompts) * n > self.settings.max_n:
             raise APIError(400, f"n x prompts = {len(prompts) * n} exceeds this server's limit of "
                            f"{self.settings.max_n} completions per request", param="n")
-        for ids in prompts:
-            self._check_prompt(ids, params)
+        queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        choices: list[Choice] = []
-        for p_index, ids in enumerate(prompts):
-            for j in range(n):
-                index = p_index * n + j
-                p = params
-                if params.temperature > 0 and params.seed is not None and j:
-                    p = params.with_overrides(seed=params.seed + j)  # n samples, not n copies
-                request = GenerationRequest(tuple(ids), p, new_id("req"))
-                choices.append(Choice(index, ids, Submission(request, index, queue, loop, stream=False)))
-        for choice in choices:
-            try:
-                self.loop.submit(choice.submission)
-            except QueueFull:
-                for submitted in choices:
-                    self.loop.abort(submitted.submission.request.request_id)
+        choices: list[ChoiceOutput] = []
+        submitted: list[str] = []
+        try:
+            for p_index, ids in enumerate(prompts):
+                for j in range(n):
+                    index = p_index * n + j
+                    p = params
+                    if params.temperature > 0 and params.seed is not None and j:
+                        p = params.with_overrides(seed=params.seed + j)  # n samples, not n copies
+                    request = GenerationRequest(tuple(ids), p, new_id("req"))
+                    self.loop.submit(Submission(request, index, queue, loop, stream=stream))
+                    submitted.append(request.request_id)
+                    choices.append(ChoiceOutput(index, request.request_id, ids, self.engine.tokenizer,
+                                                self.end_ids, stops))
+        except (QueueFull, RequestError) as err:
+            for request_id in submitted:
+                self.loop.abort(request_id)
+            if isinstance(err, QueueFull):
                 raise APIError(429, "The server is at capacity: the waiting queue is full; retry later",
                                code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
-        return choices
+            param = "max_tokens" if err.param == "gen_length" else "prompt"
+            raise APIError(400, str(err), param=param, code=err.code) from None
+        return choices, queue
 
-    # ------------------------------------------------------------------ engine -> text
+    def _count_tokens(self, text: str) -> int:
+        return len(encode_text(self.engine.tokenizer, text)) if self.engine.tokenizer is not None else 0
 
-    def _text(self, ids: list[int]) -> str:
-        end_ids = set(self.engine.model.special.end_ids)
-        cut = next((i for i, t in enumerate(ids) if t in end_ids), len(ids))
-        if self.engine.tokenizer is None:
-            return " ".join(map(str, ids[:cut]))
-        return self.engine.tokenizer.decode(ids[:cut], skip_special_tokens=True)
-
-    def _complete(self, choice: Choice, result: GenerationResult, stops: list[str], joules: Optional[float]) -> None:
-        text, stopped = apply_stop(self._text(result.generated_ids), stops)
-        choice.text = text
-        choice.result = result
-        choice.finished = True
-        choice.joules = joules
-        choice.finish_reason = finish_reason_of(result.finish_reason, stopped)
-        if stopped and self.engine.tokenizer is not None:
-            choice.completion_tokens = len(encode_text(self.engine.tokenizer, text))
-        else:
-            choice.completion_tokens = len(result.response_ids)
+    def _record(self, choice: ChoiceOutput) -> None:
         m = self.metrics
         m.labels(m.prompt_tokens).inc(len(choice.prompt_ids))
-        m.labels(m.generation_tokens).inc(choice.completion_tokens)
+        m.labels(m.generation_tokens).inc(choice.completion_tokens(self._count_tokens))
         m.labels(m.request_success, finished_reason=choice.finish_reason).inc()
 
-    @staticmethod
-    def _summary(choice: Choice) -> Optional[DecodingSummary]:
-        if choice.result is None:
-            return None
-        return DecodingSummary(**summary_of(choice.result))
-
-    def _usage(self, choices: list[Choice]) -> Usage:
+    def _usage(self, choices: list[ChoiceOutput]) -> Usage:
         prompt = sum(len(c.prompt_ids) for c in choices)
-        completion = sum(c.completion_tokens for c in choices)
+        completion = sum(c.completion_tokens(self._count_tokens) for c in choices)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
-    async def _next_event(self, queue: asyncio.Queue, deadline: float, request: Request) -> Optional[Event]:
+    @staticmethod
+    def _summary(choice: ChoiceOutput) -> Optional[DecodingSummary]:
+        return None if choice.result is None else DecodingSummary.of(choice.result.stats, choice.joules)
+
+    async def _next_event(self, queue: asyncio.Queue, deadline: float, request: Request) -> Any:
         """The next engine event for this request; None if the client has gone; 504 past the deadline."""
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise APIError(504, f"request timed out after {self.settings.request_timeout:g} s", code="timeout")
             try:
-                return await asyncio.wait_for(queue.get(), timeout=min(0.25, remaining))
+                return await asyncio.wait_for(queue.get(), timeout=min(_DISCONNECT_POLL_SECONDS, remaining))
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     return None
 
-    async def _wait(self, choices: list[Choice], queue: asyncio.Queue, request: Request,
-                    stops: list[str]) -> None:
-        """Collect every choice's result; abort all on disconnect or timeout."""
+    async def _run(self, choices: list[ChoiceOutput], queue: asyncio.Queue,
+                   request: Request) -> AsyncIterator[tuple[ChoiceOutput, str]]:
+        """The one output loop: yields (choice, text that may be sent now) as deltas arrive; a choice's
+        last piece comes with `choice.finished` set. Aborts what is left on any exit."""
         deadline = time.monotonic() + self.settings.request_timeout
-        pending = {c.index for c in choices}
         by_index = {c.index: c for c in choices}
+        pending = set(by_index)
         try:
             while pending:
                 event = await self._next_event(queue, deadline, request)
                 if event is None:
-                    raise asyncio.CancelledError
+                    return  # the client went away
                 choice = by_index[event.choice]
+                if choice.finished:
+                    continue
                 if event.kind == "error":
                     raise APIError(400, event.message)
+                choice.add(event.ids)
                 if event.kind == "done":
-                    assert event.result is not None
-                    self._complete(choice, event.result, stops, event.joules)
-                    pending.discard(event.choice)
-        except BaseException:
-            for c in choices:
-                if not c.finished:
-                    self.loop.abort(c.submission.request.request_id)
-            raise
+                    choice.finish(event.result, event.joules)
+                elif choice.stopped_by_string:  # the rest cannot change the answer: free the row now
+                    self.loop.abort(choice.request_id)
+                    choice.finish(None)
+                else:
+                    piece = choice.take()
+                    if piece:
+                        yield choice, piece
+                    continue
+                self._record(choice)
+                pending.discard(choice.index)
+                yield choice, choice.take()
+        finally:
+            for choice in choices:
+                if not choice.finished:
+                    self.loop.abort(choice.request_id)
 
     # ------------------------------------------------------------------ endpoints
 
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         self._check_model(body.model)
         params = self._params(body, body.max_tokens)
-        prompts = self._completion_prompts(body)
-        return await self._serve(body, request, prompts, params, chat=False)
+        return await self._serve(body, request, self._completion_prompts(body), params, chat=False)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
         self._check_model(body.model)
@@ -282,117 +241,64 @@ class Serving:
 
     async def _serve(self, body: Union[CompletionRequest, ChatCompletionRequest], request: Request,
                      prompts: list[list[int]], params: DecodeParams, chat: bool) -> Any:
-        queue: asyncio.Queue = asyncio.Queue()
-        choices = self._submit_all(prompts, params, body.n, queue)
-        for c in choices:
-            c.submission.stream = body.stream
-        request_id = new_id("chatcmpl" if chat else "cmpl")
+        choices, queue = self._submit_all(prompts, params, body.n, body.stream, body.stop_strings)
+        response_id = new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._stream(choices, queue, request, body.stop_strings, chat, request_id,
-                                                  include_usage),
+            return StreamingResponse(self._stream(choices, queue, request, chat, response_id, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        await self._wait(choices, queue, request, body.stop_strings)
-        created, model = now(), self.settings.model_name
-        usage = self._usage(choices).model_dump()
+        async for _ in self._run(choices, queue, request):
+            pass
+        if any(not c.finished for c in choices):
+            raise asyncio.CancelledError  # the client went away: nobody to answer
+        created, model, usage = now(), self.settings.model_name, self._usage(choices)
         if chat:
-            data = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-                    "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                                 "finish_reason": c.finish_reason, "logprobs": None,
-                                 "decoding": self._summary_dict(c)} for c in choices], "usage": usage}
-        else:
-            data = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-                                 "logprobs": None, "decoding": self._summary_dict(c)} for c in choices],
-                    "usage": usage}
-        return JSONResponse(data)
+            return JSONResponse(ChatCompletionResponse(
+                id=response_id, created=created, model=model, usage=usage,
+                choices=[ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                                    finish_reason=c.finish_reason, decoding=self._summary(c)) for c in choices],
+            ).model_dump())
+        return JSONResponse(CompletionResponse(
+            id=response_id, created=created, model=model, usage=usage,
+            choices=[CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
+                                      decoding=self._summary(c)) for c in choices],
+        ).model_dump())
 
-    def _summary_dict(self, choice: Choice) -> Optional[dict[str, Any]]:
-        summary = self._summary(choice)
-        if summary is None:
-            return None
-        data = summary.model_dump()
-        if choice.joules is not None:
-            data["energy_joules"] = choice.joules
-        return data
-
-    async def _stream(self, choices: list[Choice], queue: asyncio.Queue, request: Request, stops: list[str],
-                      chat: bool, request_id: str, include_usage: bool) -> AsyncIterator[bytes]:
+    async def _stream(self, choices: list[ChoiceOutput], queue: asyncio.Queue, request: Request, chat: bool,
+                      response_id: str, include_usage: bool) -> AsyncIterator[bytes]:
         created, model = now(), self.settings.model_name
-        kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(index: int, text: Optional[str], finish: Optional[str], first: bool = False,
-                  extra: Optional[dict[str, Any]] = None) -> bytes:
+        def chunk(choice: ChoiceOutput, text: Optional[str], first: bool = False, last: bool = False) -> bytes:
+            finish = choice.finish_reason if last else None
+            summary = self._summary(choice) if last else None
             if chat:
-                delta: dict[str, Any] = {}
-                if first:
-                    delta["role"] = "assistant"
-                if text is not None:
-                    delta["content"] = text
-                body_choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish,
-                                               "logprobs": None}
+                delta = ChatDelta(role="assistant" if first else None, content=text)
+                body: Any = ChatCompletionChunk(id=response_id, created=created, model=model, choices=[
+                    ChatStreamChoice(index=choice.index, delta=delta, finish_reason=finish, decoding=summary)])
             else:
-                body_choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
-            if extra:
-                body_choice.update(extra)
-            payload = {"id": request_id, "object": kind, "created": created, "model": model,
-                       "choices": [body_choice]}
-            return f"data: {json.dumps(payload)}\n\n".encode()
+                body = CompletionChunk(id=response_id, created=created, model=model, choices=[
+                    CompletionChoice(index=choice.index, text=text or "", finish_reason=finish, decoding=summary)])
+            return b"data: " + body.model_dump_json().encode() + b"\n\n"
 
-        by_index = {c.index: c for c in choices}
-        deadline = time.monotonic() + self.settings.request_timeout
         try:
             if chat:
                 for c in choices:
-                    yield chunk(c.index, "", None, first=True)
-            pending = set(by_index)
-            while pending:
-                event = await self._next_event(queue, deadline, request)
-                if event is None:
-                    return
-                c = by_index[event.choice]
-                if c.finished:
-                    continue
-                if event.kind == "error":
-                    raise APIError(400, event.message)
-                if event.kind == "progress":
-                    assert event.ids is not None
-                    text, stopped = apply_stop(self._text(event.ids), stops)
-                    end_seen = any(t in self.engine.model.special.end_ids for t in event.ids)
-                    limit = len(text) if stopped or end_seen else safe_stream_length(text, stops)
-                    if limit > c.sent:
-                        yield chunk(c.index, text[c.sent:limit], None)
-                        c.sent = limit
-                    if stopped:  # the rest cannot change the answer: free the row now
-                        self.loop.abort(c.submission.request.request_id)
-                        c.text, c.finished, c.finish_reason = text, True, "stop"
-                        c.completion_tokens = len(encode_text(self.engine.tokenizer, text)) \
-                            if self.engine.tokenizer is not None else 0
-                        m = self.metrics
-                        m.labels(m.prompt_tokens).inc(len(c.prompt_ids))
-                        m.labels(m.generation_tokens).inc(c.completion_tokens)
-                        m.labels(m.request_success, finished_reason="stop").inc()
-                        yield chunk(c.index, None if chat else "", "stop")
-                        pending.discard(c.index)
-                    continue
-                assert event.result is not None
-                self._complete(c, event.result, stops, event.joules)
-                if len(c.text) > c.sent:
-                    yield chunk(c.index, c.text[c.sent:], None)
-                    c.sent = len(c.text)
-                yield chunk(c.index, None if chat else "", c.finish_reason,
-                            extra={"decoding": self._summary_dict(c)})
-                pending.discard(c.index)
+                    yield chunk(c, "", first=True)
+            async for choice, piece in self._run(choices, queue, request):
+                if piece:
+                    yield chunk(choice, piece)
+                if choice.finished:  # the finish reason and the summary come in a chunk of their own
+                    yield chunk(choice, None if chat else "", last=True)
+            if any(not c.finished for c in choices):
+                return  # the client went away
             if include_usage:
-                payload = {"id": request_id, "object": kind, "created": created, "model": model, "choices": [],
-                           "usage": self._usage(choices).model_dump()}
-                yield f"data: {json.dumps(payload)}\n\n".encode()
+                usage = self._usage(choices)
+                body: Any = (ChatCompletionChunk(id=response_id, created=created, model=model, choices=[], usage=usage)
+                             if chat else CompletionChunk(id=response_id, created=created, model=model, choices=[],
+                                                          usage=usage))
+                yield b"data: " + body.model_dump_json().encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
         except APIError as err:
             self.metrics.labels(self.metrics.request_errors, status=str(err.status)).inc()
             yield f"data: {json.dumps(error_body(err.status, err.message, err.param, err.code))}\n\n".encode()
             yield b"data: [DONE]\n\n"
-        finally:
-            for c in choices:
-                if not c.finished:
-                    self.loop.abort(c.submission.request.request_id)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from engine import Engine, EngineConfig
-from engine.builtin.evaluate import EvalConfig, evaluate, held_out_problems
 from engine.chat import chat_prompt_ids
+from tinymodels.evaluate import EvalConfig, evaluate, held_out_problems
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 BUILTIN = [name for name in ("llada-tiny", "dream-tiny") if (MODELS / name / "model.safetensors").is_file()]

@@ -33,18 +33,18 @@ def knobs(batch: int = 1, **overrides) -> P.CaiKnobs:
     (63, 0.7 + 0.1 * (1 + math.cos(math.pi * (63 - 9.6) / 54.4))),
 ])
 def test_cosine_schedule(step, expected):
-    theta = P.cai_block_threshold(t(step, dtype=torch.long), t(64, dtype=torch.long), t(0.9), t(0.7), t(0.15))
+    theta = P.box3_adaptive_threshold(t(step, dtype=torch.long), t(64, dtype=torch.long), t(0.9), t(0.7), t(0.15))
     assert theta.item() == pytest.approx(expected, abs=1e-6)
 
 
 def test_schedule_reaches_theta_e_at_T():
-    theta = P.cai_block_threshold(t(64, dtype=torch.long), t(64, dtype=torch.long), t(0.9), t(0.7), t(0.15))
+    theta = P.box3_adaptive_threshold(t(64, dtype=torch.long), t(64, dtype=torch.long), t(0.9), t(0.7), t(0.15))
     assert theta.item() == pytest.approx(0.7, abs=1e-6)
 
 
 def test_schedule_midpoint_is_mean_of_thresholds():
     # u = 1/2 -> cos = 0 -> theta_e + alpha = (theta_s + theta_e) / 2; T = 20, w = 0 -> t = 10
-    theta = P.cai_block_threshold(t(10, dtype=torch.long), t(20, dtype=torch.long), t(0.9), t(0.5), t(0.0))
+    theta = P.box3_adaptive_threshold(t(10, dtype=torch.long), t(20, dtype=torch.long), t(0.9), t(0.5), t(0.0))
     assert theta.item() == pytest.approx(0.7, abs=1e-6)
 
 
@@ -53,23 +53,23 @@ def test_schedule_midpoint_is_mean_of_thresholds():
 
 def test_block_end_thresholds_paper_values():
     blocks = t(0, 1, 2, 3, dtype=torch.long)
-    out = P.cai_end_threshold(t(0.7), blocks, t(4, dtype=torch.long), t(0.1), torch.tensor(False),
+    out = P.box4_block_end_threshold(t(0.7), blocks, t(4, dtype=torch.long), t(0.1), torch.tensor(False),
                               torch.tensor(True))
     assert out.tolist() == pytest.approx([0.7, 0.6, 0.5, 0.4])
 
 
 def test_block_end_thresholds_beyond_four_blocks():
     blocks = torch.arange(8)
-    clamp = P.cai_end_threshold(t(0.7), blocks, t(8, dtype=torch.long), t(0.1), torch.tensor(False),
+    clamp = P.box4_block_end_threshold(t(0.7), blocks, t(8, dtype=torch.long), t(0.1), torch.tensor(False),
                                 torch.tensor(True))
     assert clamp.tolist() == pytest.approx([0.7, 0.6, 0.5, 0.4, 0.4, 0.4, 0.4, 0.4])
-    stretch = P.cai_end_threshold(t(0.7), blocks, t(8, dtype=torch.long), t(0.1), torch.tensor(True),
+    stretch = P.box4_block_end_threshold(t(0.7), blocks, t(8, dtype=torch.long), t(0.1), torch.tensor(True),
                                   torch.tensor(True))
     assert stretch.tolist() == pytest.approx([0.7, 0.7, 0.6, 0.6, 0.5, 0.5, 0.4, 0.4])
 
 
 def test_block_schedule_off_keeps_theta_e():
-    out = P.cai_end_threshold(t(0.7), t(3, dtype=torch.long), t(4, dtype=torch.long), t(0.1),
+    out = P.box4_block_end_threshold(t(0.7), t(3, dtype=torch.long), t(4, dtype=torch.long), t(0.1),
                               torch.tensor(False), torch.tensor(False))
     assert out.item() == pytest.approx(0.7)
 
@@ -86,13 +86,13 @@ def test_position_quarters_scale_with_block_length():
 
 def test_position_factors_and_clipping():
     quarter = t(0, 1, 2, 3, dtype=torch.long)[None]
-    got = P.cai_token_thresholds(t(0.8), quarter, torch.tensor([True]))[0]
+    got = P.box6_position_thresholds(t(0.8), quarter, torch.tensor([True]))[0]
     assert got.tolist() == pytest.approx([0.64, 0.72, 0.84, 0.88])
-    high = P.cai_token_thresholds(t(0.95), quarter, torch.tensor([True]))[0]
+    high = P.box6_position_thresholds(t(0.95), quarter, torch.tensor([True]))[0]
     assert high.tolist() == pytest.approx([0.76, 0.855, 0.98, 0.98])  # 0.9975, 1.045 clipped to 0.98
-    low = P.cai_token_thresholds(t(0.2), quarter, torch.tensor([True]))[0]
+    low = P.box6_position_thresholds(t(0.2), quarter, torch.tensor([True]))[0]
     assert low.tolist() == pytest.approx([0.2, 0.2, 0.21, 0.22])  # 0.16, 0.18 clipped up to 0.20
-    off = P.cai_token_thresholds(t(0.95), quarter, torch.tensor([False]))[0]
+    off = P.box6_position_thresholds(t(0.95), quarter, torch.tensor([False]))[0]
     assert off.tolist() == pytest.approx([0.95] * 4)
 
 
@@ -100,11 +100,11 @@ def test_budgets_paper_cases():
     # positions 0, 20, 40, 50 in a 64-block, 64 steps; cases evaluated top to bottom
     quarter = P.block_quarter(64, t(64, dtype=torch.long))[:, [0, 20, 40, 50]]
     steps = t(64, dtype=torch.long)
-    assert P.cai_budgets(t(0.9, 0.9, 0.9, 0.9)[None], quarter, steps)[0].tolist() == [8, 8, 32, 64]
-    assert P.cai_budgets(t(0.1, 0.1, 0.1, 0.1)[None], quarter, steps)[0].tolist() == [64, 64, 64, 64]
-    assert P.cai_budgets(t(0.4, 0.4, 0.4, 0.4)[None], quarter, steps)[0].tolist() == [32, 32, 32, 64]
+    assert P.box5_token_budget(t(0.9, 0.9, 0.9, 0.9)[None], quarter, steps)[0].tolist() == [8, 8, 32, 64]
+    assert P.box5_token_budget(t(0.1, 0.1, 0.1, 0.1)[None], quarter, steps)[0].tolist() == [64, 64, 64, 64]
+    assert P.box5_token_budget(t(0.4, 0.4, 0.4, 0.4)[None], quarter, steps)[0].tolist() == [32, 32, 32, 64]
     # s exactly 0.5 is not > 0.5; s exactly 0.25 is not < 0.25
-    assert P.cai_budgets(t(0.5, 0.25, 0.51, 0.51)[None], quarter, steps)[0].tolist() == [32, 32, 32, 64]
+    assert P.box5_token_budget(t(0.5, 0.25, 0.51, 0.51)[None], quarter, steps)[0].tolist() == [32, 32, 32, 64]
 
 
 def test_budgets_scale_with_steps_per_block():

@@ -65,7 +65,7 @@ def test_generate_json_reproduces_llada_golden(fixtures):
 
 def _char_tokenizer_checkpoint(fixtures: Path, dest: Path) -> None:
     """The tiny LLaDA fixture with the built-in character tokenizer and its chat template."""
-    from engine.builtin.char_tokenizer import write_tokenizer_files
+    from tinymodels.char_tokenizer import write_tokenizer_files
 
     shutil.copytree(fixtures / "llada_tiny", dest)
     write_tokenizer_files(dest)
@@ -77,7 +77,7 @@ def test_generate_text_and_chat_prompts(fixtures, tmp_path):
                "--chat", "--gen-length", "16", "--block-length", "8", "--json")
     assert out.returncode == 0, out.stderr
     records = [json.loads(line) for line in out.stdout.splitlines()]
-    from engine.builtin.char_tokenizer import USER, special_id
+    from tinymodels.char_tokenizer import USER, special_id
 
     assert [r["prompt_ids"][0] for r in records] == [special_id(USER)] * 2  # the chat template's user tag
     assert all(isinstance(r["text"], str) for r in records)

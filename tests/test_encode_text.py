@@ -8,7 +8,7 @@ import pytest
 
 from engine import load_tokenizer
 from engine.chat import chat_prompt_ids
-from engine.tokenizer import encode_text
+from engine.loading.tokenizer import encode_text
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,7 +23,7 @@ def test_lm_eval_local_completions_matches_cai_dllm_eval(tmp_path):
     lm_eval = require_tool("lm_eval")
     data = REPO / "bench" / "lm_eval" / "heldout_n100_seed0.jsonl"
     problems = [json.loads(line) for line in data.read_text().splitlines()]
-    from engine.builtin.evaluate import held_out_problems
+    from tinymodels.evaluate import held_out_problems
 
     assert [(p["prompt"], p["answer"]) for p in problems] == [(p.prompt, p.answer) for p in held_out_problems(100, 0)]
 

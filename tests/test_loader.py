@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import CheckpointError, DeviceError, load_model
-from engine.checkpoint import WEIGHTS_INDEX
+from engine.loading.checkpoint import WEIGHTS_INDEX
 
 
 def _shard(src: Path, dest: Path, parts: int) -> list[str]:

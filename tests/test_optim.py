@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.builtin.optim import Muon, OptimizerGroup, build_optimizer, orthogonalise
-from engine.builtin.train import TrainConfig, build_model
+from tinymodels.optim import Muon, OptimizerGroup, build_optimizer, orthogonalise
+from tinymodels.train import TrainConfig, build_model
 
 
 @pytest.mark.parametrize("shape", [(64, 32), (32, 96), (48, 48)])

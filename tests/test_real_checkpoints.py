@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import CheckpointError, load_tokenizer
-from engine.checkpoint import CheckpointFiles
+from engine.loading.checkpoint import CheckpointFiles
 from engine.models import model_class_for
 from engine.models.weight_names import expected_weights
 

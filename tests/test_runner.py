@@ -1,4 +1,4 @@
-"""The batched runner: heterogeneous rows, join/leave, caches, early exit, sampling, telemetry."""
+"""The engine's step API: heterogeneous rows, join/leave, caches, early exit, sampling, telemetry."""
 
 from __future__ import annotations
 
@@ -8,15 +8,8 @@ import shutil
 import pytest
 import torch
 
-from engine import load_model
-from engine.decoding import (
-    BlockDiffusionRunner,
-    DecodeParamError,
-    DecodeParams,
-    GenerationRequest,
-    RequestError,
-    generate,
-)
+from engine import Engine, RequestError, load_model
+from engine.decoding import DecodeParamError, DecodeParams, generate
 from engine.models.layers import write_kv
 
 
@@ -62,34 +55,50 @@ def test_dream_heterogeneous_batch_with_caches(dream_model):
         assert result.generated_ids == generate(dream_model, [prompt], p)[0].generated_ids
 
 
+def _finished(outputs) -> dict:
+    return {o.request_id: o.result for o in outputs if o.finished}
+
+
 def test_rows_join_between_steps(llada_model):
-    runner = BlockDiffusionRunner(llada_model, max_batch=4)
+    engine = Engine.from_model(llada_model, max_batch=4)
     prompts = _prompts(3)
     params = DecodeParams(policy="cai", gen_length=32, block_length=8)
-    runner.add(GenerationRequest(tuple(prompts[0]), params, "a"))
+    engine.add_request(prompts[0], params, "a")
     results = {}
     for _ in range(3):
-        results.update({r.request_id: r for r in runner.step()})
-    runner.add(GenerationRequest(tuple(prompts[1]), params, "b"))
-    runner.step()
-    runner.add(GenerationRequest(tuple(prompts[2]), params, "c"))
-    while runner.num_active:
-        results.update({r.request_id: r for r in runner.step()})
+        results.update(_finished(engine.step()))
+    engine.add_request(prompts[1], params, "b")
+    results.update(_finished(engine.step()))
+    engine.add_request(prompts[2], params, "c")
+    while engine.has_unfinished():
+        results.update(_finished(engine.step()))
     for key, prompt in zip("abc", prompts, strict=True):
         assert results[key].generated_ids == generate(llada_model, [prompt], params)[0].generated_ids
 
 
 def test_abort_frees_the_row(llada_model):
-    runner = BlockDiffusionRunner(llada_model, max_batch=2)
+    engine = Engine.from_model(llada_model, max_batch=2)
     params = DecodeParams(policy="fixed", gen_length=32, block_length=8, steps=32)
-    runner.add(GenerationRequest((1, 2, 3), params, "x"))
-    runner.add(GenerationRequest((4, 5, 6), params, "y"))
-    assert not runner.has_capacity
-    runner.step()
-    aborted = runner.abort("x")
-    assert aborted is not None and aborted.finish_reason == "abort"
-    assert runner.num_active == 1 and runner.has_capacity
-    assert runner.abort("nope") is None
+    engine.add_request((1, 2, 3), params, "x")
+    engine.add_request((4, 5, 6), params, "y")
+    engine.add_request((7, 8), params, "z")
+    assert [o.request_id for o in engine.step()] == ["x", "y"]  # z waits for a free row
+    assert engine.num_running == 2 and engine.num_waiting == 1
+    assert engine.abort("x")
+    assert [o.request_id for o in engine.step()] == ["y", "z"]  # x left, z took its row
+    assert engine.abort("z") and engine.abort("y")
+    assert engine.step() == [] and not engine.has_unfinished()
+    assert not engine.abort("nope")
+
+
+def test_abort_of_a_waiting_request_is_immediate(llada_model):
+    engine = Engine.from_model(llada_model, max_batch=1)
+    params = DecodeParams(policy="fixed", gen_length=8, block_length=8, steps=8)
+    engine.add_request((1, 2), params, "a")
+    engine.add_request((3, 4), params, "b")
+    assert engine.abort("b") and engine.num_waiting == 1  # only "a" is left
+    with pytest.raises(ValueError, match="already"):
+        engine.add_request((1, 2), params, "a")
 
 
 @pytest.fixture(scope="module")
@@ -158,13 +167,17 @@ def test_cai_saves_steps_against_fixed(llada_model):
 
 
 def test_request_validation(llada_model):
-    runner = BlockDiffusionRunner(llada_model)
+    engine = Engine.from_model(llada_model)
     with pytest.raises(RequestError, match="empty"):
-        runner.add(GenerationRequest((), DecodeParams()))
+        engine.add_request((), DecodeParams())
     with pytest.raises(RequestError, match="vocabulary"):
-        runner.add(GenerationRequest((1, 999), DecodeParams()))
+        engine.add_request((1, 999), DecodeParams())
     with pytest.raises(RequestError, match="context"):
-        runner.add(GenerationRequest((1,), DecodeParams(gen_length=8192, block_length=64)))
+        engine.add_request((1,), DecodeParams(gen_length=8192, block_length=64))
+    assert not engine.has_unfinished()
+    with pytest.raises(RequestError, match="vocabulary"):  # a batch fails before any work is done
+        engine.generate([[1, 2], [1, 999]], DecodeParams(gen_length=8))
+    assert not engine.has_unfinished()
 
 
 @pytest.mark.parametrize("field,value", [
@@ -209,22 +222,19 @@ def test_engine_facade(fixtures):
         EngineConfig(model="x", max_batch=0)
 
 
-def test_stable_prefix_only_grows_and_ends_as_the_result(llada_model):
-    runner = BlockDiffusionRunner(llada_model)
-    runner.add(GenerationRequest((5, 6, 7), DecodeParams(policy="cai", gen_length=32, block_length=8), "s"))
+def test_deltas_only_add_final_tokens_and_end_as_the_result(llada_model):
+    engine = Engine.from_model(llada_model)
+    engine.add_request((5, 6, 7), DecodeParams(policy="cai", gen_length=32, block_length=8), "s")
     seen: list[int] = []
     result = None
     while result is None:
-        finished = runner.step()
-        if finished:
-            [result] = finished
-            break
-        stable = runner.stable_ids("s")
-        assert stable[:len(seen)] == seen and llada_model.special.mask_id not in stable
-        seen = stable
-    assert result.generated_ids[:len(seen)] == seen
-    with pytest.raises(KeyError):
-        runner.stable_ids("s")
+        [output] = engine.step()
+        assert output.request_id == "s" and llada_model.special.mask_id not in output.new_token_ids
+        seen.extend(output.new_token_ids)
+        result = output.result
+    end = result.end_index
+    assert seen == (result.generated_ids if end is None else result.generated_ids[:end + 1])
+    assert not engine.has_unfinished()
 
 
 def test_write_kv_writes_each_rows_columns_and_nothing_else():

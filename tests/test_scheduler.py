@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from engine import Engine, EngineConfig
+from engine import Engine, EngineConfig, RequestError
 from engine.decoding import DecodeParams, GenerationRequest
 from server.energy import NvmlMeter
 from server.metrics import Metrics
@@ -63,13 +63,14 @@ def test_continuous_batching_respects_max_batch(engine):
     gate = GatedModel(engine.model, delay=0.002)
     seen: list[int] = []
     loop = EngineLoop(engine, max_queue=32, metrics=Metrics("m"), meter=NvmlMeter(lambda: 0))
-    original = loop.runner.step
+    original = engine.step
 
     def step():
-        seen.append(loop.runner.num_active)
-        return original()
+        outputs = original()
+        seen.append(len(outputs))
+        return outputs
 
-    loop.runner.step = step
+    engine.step = step
 
     async def run():
         subs = _submissions(10, _params())
@@ -95,11 +96,11 @@ def test_abort_frees_the_row_within_a_step(engine):
     async def run():
         [sub] = _submissions(1, DecodeParams(policy="fixed", gen_length=256, block_length=64, steps=256))
         loop.submit(sub)
-        while loop.runner.num_active == 0:
+        while engine.num_running == 0:
             await asyncio.sleep(0.005)
         steps_before = loop.steps
         loop.abort("r0")
-        while loop.runner.num_active:
+        while engine.num_running:
             await asyncio.sleep(0.002)
         return loop.steps - steps_before
 
@@ -164,16 +165,17 @@ def test_bad_request_becomes_an_error_event_and_the_loop_survives(engine):
         loop_, queue = asyncio.get_running_loop(), asyncio.Queue()
         bad = Submission(GenerationRequest((99999,), _params(), "bad"), 0, queue, loop_, False)
         good = Submission(GenerationRequest((1, 2), _params(), "good"), 1, queue, loop_, False)
-        loop.submit(bad)
+        with pytest.raises(RequestError) as refused:  # the engine validates at submission
+            loop.submit(bad)
         loop.submit(good)
-        return await _collect([bad, good])
+        return refused.value, await _collect([good])
 
     loop.start()
     try:
-        events = asyncio.run(run())
+        refused, events = asyncio.run(run())
     finally:
         loop.stop()
-    assert events[0].kind == "error" and "vocabulary" in events[0].message
+    assert "vocabulary" in str(refused) and refused.param == "prompt_ids"
     assert events[1].kind == "done"
 
 
@@ -189,8 +191,8 @@ def test_streams_receive_growing_prefixes_and_energy_is_attributed(engine):
         done = {}
         while len(done) < 2:
             event = await asyncio.wait_for(subs[0].queue.get(), 30)
-            if event.kind == "progress" and event.choice == 0:
-                progress.append(event.ids)
+            if event.choice == 0 and event.ids:  # deltas: the stream so far is their concatenation
+                progress.append([*(progress[-1] if progress else []), *event.ids])
             if event.kind == "done":
                 done[event.choice] = event
         return progress, done
@@ -201,6 +203,9 @@ def test_streams_receive_growing_prefixes_and_energy_is_attributed(engine):
     finally:
         loop.stop()
     assert all(a == b[:len(a)] for a, b in itertools.pairwise(progress))
+    result = done[0].result
+    assert progress[-1] == result.generated_ids[:len(progress[-1])]
+    assert len(progress[-1]) == (len(result.generated_ids) if result.end_index is None else result.end_index + 1)
     assert all(e.joules is not None and e.joules > 0 for e in done.values())
     rendered = loop.metrics.render().decode()
     assert "caidllm:energy_joules_total" in rendered
@@ -214,13 +219,15 @@ def test_admission_wait_lets_a_closed_loop_client_fill_its_row(engine, wait):
     GatedModel(engine.model, delay=0.06)
     loop = EngineLoop(engine, max_queue=8, metrics=Metrics("m"), meter=NvmlMeter(lambda: 0), admission_wait=wait)
     admitted_at: dict[str, int] = {}
-    original = loop.runner.add
+    original = engine.scheduler.schedule
 
-    def add(request, queued_at=None):
-        admitted_at[request.request_id] = loop.steps
-        return original(request, queued_at=queued_at)
+    def schedule():
+        aborted, admitted = original()
+        for request in admitted:
+            admitted_at[request.request_id] = loop.steps
+        return aborted, admitted
 
-    loop.runner.add = add
+    engine.scheduler.schedule = schedule
 
     async def run() -> tuple[int, int]:
         aio, queue = asyncio.get_running_loop(), asyncio.Queue()
@@ -250,7 +257,8 @@ def test_admission_wait_lets_a_closed_loop_client_fill_its_row(engine, wait):
 
 def _loop_with_one_active_row(engine, wait: float) -> EngineLoop:
     loop = EngineLoop(engine, max_queue=8, metrics=Metrics("m"), meter=NvmlMeter(lambda: 0), admission_wait=wait)
-    loop.runner.add(GenerationRequest((1, 2, 3), _params(), "active"))
+    engine.add_request((1, 2, 3), _params(), "active")
+    engine.scheduler.schedule()  # the row is running
     loop.step_seconds = 1.0
     return loop
 

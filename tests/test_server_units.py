@@ -8,8 +8,9 @@ import random
 import pytest
 
 from server.energy import EnergyMeter, NvmlMeter, RaplMeter, open_meter, share_energy
+from server.output import ChoiceOutput, IncrementalDetokenizer, find_stop, finish_reason_of, held_back
 from server.protocol import new_id
-from server.serving import Serving, apply_stop, finish_reason_of, safe_stream_length
+from server.serving import Serving
 from server.settings import BUNDLED_MODEL, load_settings
 
 
@@ -69,13 +70,51 @@ def test_energy_is_shared_by_work():
 
 
 def test_stop_strings():
-    assert apply_stop("a=12;b=3", [";"]) == ("a=12", True)
-    assert apply_stop("abc", ["x", ""]) == ("abc", False)
-    assert apply_stop("one two three", ["three", "two"]) == ("one ", True)
+    assert find_stop("a=12;b=3", [";"]) == len("a=12")
+    assert find_stop("abc", ["x", ""]) == -1
+    assert find_stop("one two three", ["three", "two"]) == len("one ")
     # hold back a tail that might become a stop string; never hold back more than needed
-    assert safe_stream_length("hello wor", ["world"]) == len("hello ")
-    assert safe_stream_length("hello", ["xyz"]) == 5
-    assert safe_stream_length("caf\ufffd", []) == 3
+    assert held_back("hello wor", ["world"]) == len("wor")
+    assert held_back("hello", ["xyz"]) == 0
+    assert held_back("caf\ufffd", []) == 1
+
+
+class _CharTokenizer:
+    """decode = the characters of the ids (one per id), as the built-in models' tokenizer."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+def test_choice_output_cuts_at_the_end_token_and_at_a_stop_string_across_deltas():
+    out = ChoiceOutput(0, "r", [1], _CharTokenizer(), end_ids={25}, stops=["cd"])
+    out.add([0, 1])
+    assert out.take() == "ab"
+    out.add([2])  # "abc": the "c" may begin "cd", so it waits
+    assert out.take() == "" and out.text == "abc"
+    out.add([3, 4])  # "abcde": the stop string arrived across two deltas
+    assert out.stopped_by_string and out.text == "ab" and out.take() == ""
+    out.finish(None)
+    assert out.finish_reason == "stop" and out.completion_tokens(len) == 2
+
+    ended = ChoiceOutput(1, "s", [1], _CharTokenizer(), end_ids={25}, stops=[])
+    ended.add([0, 1, 25, 2])  # nothing after the end token counts
+    assert ended.text == "ab" and ended.take() == "ab" and ended.token_ids == [0, 1]
+
+
+def test_incremental_detokenizer_equals_a_whole_decode(fixtures):
+    from engine.loading.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(fixtures / "real" / "dream-v0-instruct-7b")
+    text = "Déjà vu: 12 × 34 = 408 ✓ — naïve café, 日本語のテキスト, emoji 🙂🙃!"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for split in (1, 2, 3, 5):
+        detok = IncrementalDetokenizer(tokenizer)
+        for start in range(0, len(ids), split):
+            detok.add(ids[start:start + split])
+            assert "\ufffd" not in detok.text
+        detok.flush()
+        assert detok.text == tokenizer.decode(ids, skip_special_tokens=True) == text
 
 
 def test_finish_reason_mapping():

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from engine.builtin import char_tokenizer as chars
-from engine.builtin.tasks import (
+from tinymodels import char_tokenizer as chars
+from tinymodels.tasks import (
     COLLATZ_STARTS,
     KINDS,
     MAX_RESPONSE_CHARS,
@@ -127,7 +127,7 @@ def test_tokenizer_round_trips_every_character_of_the_task():
 
 def test_tokenizer_files_and_chat_template(tmp_path):
     from engine import load_tokenizer
-    from engine.checkpoint import CheckpointFiles
+    from engine.loading.checkpoint import CheckpointFiles
 
     chars.write_tokenizer_files(tmp_path)
     (tmp_path / "config.json").write_text("{}")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine import load_model, load_tokenizer
-from engine.builtin.train import TrainConfig, masked_diffusion_loss, train
-from engine.checkpoint import CheckpointFiles
+from engine.loading.checkpoint import CheckpointFiles
+from tinymodels.train import TrainConfig, masked_diffusion_loss, train
 
 
 def _small(arch: str, steps: int, optimizer: str = "adamw") -> TrainConfig:

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from engine.builtin.evaluate import held_out_problems
+from tinymodels.evaluate import held_out_problems
 
 HERE = Path(__file__).resolve().parent
 

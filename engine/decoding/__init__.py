@@ -1,9 +1,8 @@
-"""Block-wise diffusion decoding: policies (fixed, threshold, CAI, Dream), KV caches, batched runner."""
+"""Block-wise diffusion decoding: per-request parameters, the policies (fixed, threshold, CAI, Dream)
+and the decide step that dispatches to them. The engine that runs them: `engine.engine.Engine`."""
 
 from engine.decoding.generate import generate
 from engine.decoding.params import DecodeParamError, DecodeParams
-from engine.decoding.runner import BlockDiffusionRunner, RequestError
 from engine.decoding.types import GenerationRequest, GenerationResult, RequestStats
 
-__all__ = ["BlockDiffusionRunner", "DecodeParamError", "DecodeParams", "GenerationRequest", "GenerationResult",
-           "RequestError", "RequestStats", "generate"]
+__all__ = ["DecodeParamError", "DecodeParams", "GenerationRequest", "GenerationResult", "RequestStats", "generate"]

@@ -9,8 +9,11 @@ Families:
 - rank (`fixed`, `dream-*`): commit the `quota` best candidates; the quota comes from LLaDA's
   `get_num_transfer_tokens` or Dream's `int(M * (1 - s/t))` schedule.
 - `threshold`: Fast-dLLM — every candidate with confidence >= threshold, and always the best one.
-- `cai`: the paper's controller (Boxes 3-6, Algorithm 1); decisions where the paper is silent are
-  marked DECISION and collected in docs/cai.md.
+- `cai`: the paper's controller (Algorithm 1), one function per box of its Method section, named and
+  numbered as there: Box 1 Token Confidence (`engine.decoding.sampling`), Box 2 First-Step
+  Confidence Signal, Box 3 Adaptive Threshold Schedule, Box 4 Block-Specific End Thresholds, Box 5
+  Confidence-Gated Token Budget, Box 6 Position-Aware Commit Rule, Box 7 Grinding Phase Detector.
+  Decisions where the paper is silent are marked DECISION and collected in docs/cai.md.
 """
 
 from __future__ import annotations
@@ -26,13 +29,13 @@ FAMILY_RANK = 0
 FAMILY_THRESHOLD = 1
 FAMILY_CAI = 2
 
-# Paper constants, defined for a 64-token block and 64 steps per block (Boxes 4-5). They scale with
+# Paper constants, defined for a 64-token block and 64 steps per block (Boxes 4-6). They scale with
 # the block length (position boundaries) and with the steps per block (budgets): DECISION.
 PAPER_BLOCK_LENGTH = 64
 PAPER_STEPS_PER_BLOCK = 64
 PAPER_BLOCK_TIERS = 4  # Box 4 defines end thresholds for blocks b = 1..4
-POSITION_FACTORS = (0.80, 0.90, 1.05, 1.10)  # Box 5, quarters of the block
-TOKEN_THRESHOLD_CLIP = (0.20, 0.98)  # Box 5
+POSITION_FACTORS = (0.80, 0.90, 1.05, 1.10)  # Box 6, quarters of the block
+TOKEN_THRESHOLD_CLIP = (0.20, 0.98)  # Box 6
 BUDGET_STEPS = (8, 32, 64)  # Box 5 (token budgets), in steps of a 64-step block
 CONF_HIGH, CONF_LOW = 0.50, 0.25  # Box 5 budget tiers; also the telemetry bands
 
@@ -81,7 +84,7 @@ def threshold_commit(conf: torch.Tensor, candidates: torch.Tensor, threshold: to
 # ---------------------------------------------------------------------------------------------- CAI
 
 
-def cai_end_threshold(theta_e: torch.Tensor, block_index: torch.Tensor, num_blocks: torch.Tensor,
+def box4_block_end_threshold(theta_e: torch.Tensor, block_index: torch.Tensor, num_blocks: torch.Tensor,
                       decay: torch.Tensor, stretch: torch.Tensor, enabled: torch.Tensor) -> torch.Tensor:
     """Box 4: theta_e^(b) = theta_e - decay * (b - 1) for b = 1..4 (block_index is 0-based).
 
@@ -94,9 +97,10 @@ def cai_end_threshold(theta_e: torch.Tensor, block_index: torch.Tensor, num_bloc
     return torch.where(enabled, scheduled, theta_e)
 
 
-def cai_block_threshold(step: torch.Tensor, steps_per_block: torch.Tensor, theta_s: torch.Tensor,
+def box3_adaptive_threshold(step: torch.Tensor, steps_per_block: torch.Tensor, theta_s: torch.Tensor,
                         theta_end: torch.Tensor, warmup: torch.Tensor) -> torch.Tensor:
-    """Boxes 3-4: theta_s during warm-up (t < wT), then a cosine from theta_s down to theta_end."""
+    """Box 3 (with Box 4's theta_e^(b) as theta_end): theta_s during warm-up (t < wT), then a cosine
+    from theta_s down to theta_end."""
     t = step.float()
     total = steps_per_block.float()
     warm = warmup * total
@@ -113,8 +117,8 @@ def block_quarter(width: int, block_length: torch.Tensor) -> torch.Tensor:
     return (p * 4 // block_length[:, None]).clamp(max=3)
 
 
-def cai_token_thresholds(theta_block: torch.Tensor, quarter: torch.Tensor, enabled: torch.Tensor) -> torch.Tensor:
-    """Box 5: theta_i = clip(theta_b * r_pos(i), 0.20, 0.98); theta_b itself when disabled."""
+def box6_position_thresholds(theta_block: torch.Tensor, quarter: torch.Tensor, enabled: torch.Tensor) -> torch.Tensor:
+    """Box 6: theta_i = clip(theta_b * r_pos(i), 0.20, 0.98); theta_b itself when disabled."""
     factors = torch.tensor(POSITION_FACTORS, device=quarter.device)[quarter]
     low, high = TOKEN_THRESHOLD_CLIP
     positional = (theta_block[:, None] * factors).clamp(low, high)
@@ -127,7 +131,7 @@ def budget_levels(steps_per_block: torch.Tensor) -> torch.Tensor:
     return torch.div(scaled, PAPER_STEPS_PER_BLOCK, rounding_mode="floor").clamp(min=1)
 
 
-def cai_budgets(first_conf: torch.Tensor, quarter: torch.Tensor, steps_per_block: torch.Tensor) -> torch.Tensor:
+def box5_token_budget(first_conf: torch.Tensor, quarter: torch.Tensor, steps_per_block: torch.Tensor) -> torch.Tensor:
     """Box 5, cases in order: 8 if s > 0.5 and p < 32; 64 if s < 0.25 or p >= 48; else 32."""
     levels = budget_levels(steps_per_block)
     small, mid, big = levels[:, 0:1], levels[:, 1:2], levels[:, 2:3]
@@ -140,7 +144,7 @@ def cai_budgets(first_conf: torch.Tensor, quarter: torch.Tensor, steps_per_block
 class CaiState:
     """What CAI carries from step to step within a block, per row."""
 
-    first_conf: torch.Tensor  # [B, W] s_i = c_i^(0), set at the block's step 0 (Box 2)
+    first_conf: torch.Tensor  # [B, W] s_i = c_i^(0) (Box 2)
     low_yield: torch.Tensor  # [B] the counter l of Algorithm 1
 
 
@@ -175,19 +179,46 @@ class CaiDecision:
     budgets: torch.Tensor  # [B, W] B_i
 
 
+def box2_first_step_confidence(conf: torch.Tensor, stored: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Box 2: s_i = c_i^(0): the confidence of the block's first step, kept for the rest of the block."""
+    return torch.where((step == 0)[:, None], conf, stored)
+
+
+def box6_position_aware_commit(conf: torch.Tensor, candidates: torch.Tensor, thresholds: torch.Tensor,
+                               budgets: torch.Tensor, step: torch.Tensor,
+                               budgets_on: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Box 6's commit rule: c_i >= theta_i(t), or t >= B_i where the budgets (gating) are on.
+    Returns (committed by threshold, committed by budget only)."""
+    by_threshold = candidates & (conf >= thresholds)
+    by_budget = candidates & budgets_on[:, None] & (step[:, None] >= budgets) & ~by_threshold
+    return by_threshold, by_budget
+
+
+def box7_grinding_phase_detector(committed: torch.Tensor, low_yield: torch.Tensor, eta_bar: torch.Tensor,
+                                 length: torch.Tensor, patience: torch.Tensor,
+                                 enabled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Box 7: eta = newly committed / L; K consecutive steps with eta < eta_bar fire the detector.
+    Returns (the counter l after this step, fired). The counter restarts when the detector fires.
+
+    DECISION: L is the generation length by default (the "sequence" being decoded);
+    `eta_denominator=block` uses the block length."""
+    eta = committed.float() / length
+    counter = torch.where(eta < eta_bar, low_yield + 1, torch.zeros_like(low_yield))
+    fired = enabled & (counter >= patience)
+    return torch.where(fired, torch.zeros_like(counter), counter), fired
+
+
 def cai_step(conf: torch.Tensor, candidates: torch.Tensor, step: torch.Tensor, steps_per_block: torch.Tensor,
              block_index: torch.Tensor, num_blocks: torch.Tensor, block_length: torch.Tensor,
              state: CaiState, knobs: CaiKnobs) -> CaiDecision:
-    """One step of Algorithm 1 for every row (its lines 10-29)."""
-    theta_end = cai_end_threshold(knobs.theta_e, block_index, num_blocks, knobs.block_decay,
-                                  knobs.stretch, knobs.block_schedule)
-    theta_block = cai_block_threshold(step, steps_per_block, knobs.theta_s, theta_end, knobs.warmup)
+    """One step of Algorithm 1 for every row (its lines 10-29); `state.first_conf` is Box 2's s_i."""
+    theta_end = box4_block_end_threshold(knobs.theta_e, block_index, num_blocks, knobs.block_decay,
+                                         knobs.stretch, knobs.block_schedule)
+    theta_block = box3_adaptive_threshold(step, steps_per_block, knobs.theta_s, theta_end, knobs.warmup)
     quarter = block_quarter(conf.shape[1], block_length)
-    thresholds = cai_token_thresholds(theta_block, quarter, knobs.position_factors)
-    by_threshold = candidates & (conf >= thresholds)
-
-    budgets = cai_budgets(state.first_conf, quarter, steps_per_block)
-    by_budget = candidates & knobs.budgets[:, None] & (step[:, None] >= budgets) & ~by_threshold
+    thresholds = box6_position_thresholds(theta_block, quarter, knobs.position_factors)
+    budgets = box5_token_budget(state.first_conf, quarter, steps_per_block)
+    by_threshold, by_budget = box6_position_aware_commit(conf, candidates, thresholds, budgets, step, knobs.budgets)
     commit = by_threshold | by_budget
 
     # DECISION (a step that commits nothing): with min_commit=1 the best candidate is committed, as
@@ -196,18 +227,14 @@ def cai_step(conf: torch.Tensor, candidates: torch.Tensor, step: torch.Tensor, s
     best = commit_best(conf, candidates, torch.ones_like(step))
     commit = commit | (best & nothing[:, None])
 
-    # Box 6: eta = newly committed / L. DECISION: L is the generation length by default (the
-    # "sequence" being decoded); `eta_denominator=block` uses the block length.
-    eta = commit.sum(dim=1).float() / knobs.eta_denominator
-    low_yield = torch.where(eta < knobs.eta, state.low_yield + 1, torch.zeros_like(state.low_yield))
-    grinding_exit = knobs.grinding & (low_yield >= knobs.patience)
+    low_yield, grinding_exit = box7_grinding_phase_detector(commit.sum(dim=1), state.low_yield, knobs.eta,
+                                                            knobs.eta_denominator, knobs.patience, knobs.grinding)
     remaining = candidates & ~commit
     by_grinding = remaining & grinding_exit[:, None] & (conf > knobs.theta_fb[:, None])
     # DECISION (tokens left at a grinding exit): `continue` keeps decoding them, with the counter
     # reset; `fill` ends the block now, committing them with their current prediction.
     by_grinding |= remaining & (grinding_exit & knobs.grinding_fill)[:, None]
     commit = commit | by_grinding
-    low_yield = torch.where(grinding_exit, torch.zeros_like(low_yield), low_yield)
 
     # DECISION (a block never ends with masks): at the block's last step every token still masked
     # is committed with its current prediction.

@@ -5,14 +5,18 @@
 - temperature 0 predicts the argmax; temperature > 0 uses Gumbel-max in float64, as LLaDA's
   `add_gumbel_noise`, with noise from the request's own seeded generator (so a row's tokens do not
   depend on what else is in the batch).
-- confidence is the probability of the predicted token (LLaDA "low_confidence", Fast-dLLM, CAI,
-  Dream `maskgit_plus`), the negative entropy (Dream `entropy`) or the top-1 minus top-2
-  probability (Dream `topk_margin`), all from the softmax of the filtered, untempered logits.
+- confidence is the probability of the predicted token (the paper's Box 1 Token Confidence, which
+  for the argmax is the largest probability; LLaDA "low_confidence", Fast-dLLM, CAI, Dream
+  `maskgit_plus`), the negative entropy (Dream `entropy`) or the top-1 minus top-2 probability
+  (Dream `topk_margin`), all from the softmax of the filtered, untempered logits.
+
+Which rows sample, filter or use another confidence kind is known on the host from the requests'
+parameters and passed in, so none of these functions reads a device value back.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -22,12 +26,14 @@ CONF_MARGIN = 2
 _ENTROPY_EPS = 1e-10  # Dream adds it inside the log
 
 
-def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, max_top_k: int,
+                       any_top_p: bool) -> torch.Tensor:
     """Dream's `top_p_logits` then `top_k_logits`, per row: top_k 0 and top_p 1 mean "off".
 
-    logits [B, W, V]; removed entries become the dtype's lowest value, as in Dream."""
+    logits [B, W, V]; removed entries become the dtype's lowest value, as in Dream. `max_top_k` (the
+    largest top_k of the rows, 0 if none) and `any_top_p` come from the host."""
     lowest = torch.finfo(logits.dtype).min
-    if bool((top_p < 1).any()):
+    if any_top_p:
         sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         remove = cumulative > top_p[:, None, None]
@@ -35,37 +41,54 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
         remove[..., 0] = False
         remove &= (top_p < 1)[:, None, None]
         logits = logits.masked_fill(torch.zeros_like(remove).scatter(-1, sorted_index, remove), lowest)
-    if bool((top_k > 0).any()):
+    if max_top_k > 0:
         k = top_k.clamp(min=1, max=logits.shape[-1])
-        kth = logits.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None, None].expand(-1, logits.shape[1], 1))
+        kth = logits.topk(min(max_top_k, logits.shape[-1]), dim=-1).values.gather(
+            -1, (k - 1)[:, None, None].expand(-1, logits.shape[1], 1))
         remove = (logits < kth) & (top_k > 0)[:, None, None]
         logits = logits.masked_fill(remove, lowest)
     return logits
 
 
-def predict(logits: torch.Tensor, temperature: torch.Tensor,
-            generators: list[Optional[torch.Generator]]) -> torch.Tensor:
-    """Predicted token per position [B, W]: argmax, or Gumbel-max where temperature > 0."""
-    x0 = logits.argmax(dim=-1)
-    for row, generator in enumerate(generators):
-        tau = float(temperature[row])
-        if tau <= 0:
-            continue
+def _best_but(scores: torch.Tensor, excluded: int) -> torch.Tensor:
+    """argmax over the last dimension, never `excluded`: the runner-up where it would win."""
+    top2 = scores.topk(2, dim=-1).indices
+    return torch.where(top2[..., 0] == excluded, top2[..., 1], top2[..., 0])
+
+
+def predict(logits: torch.Tensor, sampled: Sequence[tuple[int, torch.Generator, float]],
+            mask_id: int) -> torch.Tensor:
+    """Predicted token per position [B, W]: argmax, or Gumbel-max for the rows in `sampled`
+    (row, its generator, its temperature > 0).
+
+    DECISION: the mask token is never predicted. A committed mask would leave its position masked,
+    and a policy that commits until no mask is left (threshold) would loop forever on it; the
+    official decoders do not guard this. It changes nothing where the mask is not the best token,
+    as in every golden run of the official code (tests/test_golden_decoding.py). Confidences still
+    come from the full softmax."""
+    x0 = _best_but(logits, mask_id)
+    for row, generator, tau in sampled:
         noise = torch.rand(logits.shape[1:], generator=generator, dtype=torch.float64, device=logits.device)
         # argmax(exp(l) / (-log u)^tau) of LLaDA's add_gumbel_noise, taken in log space (no overflow)
         gumbel = logits[row].double() - tau * torch.log(-torch.log(noise))
-        x0[row] = gumbel.argmax(dim=-1)
+        x0[row] = _best_but(gumbel, mask_id)
     return x0
 
 
-def confidence(logits: torch.Tensor, x0: torch.Tensor, kind: torch.Tensor) -> torch.Tensor:
+def box1_token_confidence(probs: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+    """Box 1: c_i = p(x_i = v | x) of the predicted token (the largest probability under argmax)."""
+    return probs.gather(-1, x0[..., None]).squeeze(-1)
+
+
+def confidence(logits: torch.Tensor, x0: torch.Tensor, kind: torch.Tensor,
+               kinds_present: Collection[int]) -> torch.Tensor:
     """Confidence [B, W] float32 of each prediction, by each row's confidence kind."""
     probs = logits.float().softmax(dim=-1)
-    conf = probs.gather(-1, x0[..., None]).squeeze(-1)
-    if bool((kind == CONF_NEG_ENTROPY).any()):
+    conf = box1_token_confidence(probs, x0)
+    if CONF_NEG_ENTROPY in kinds_present:
         neg_entropy = (probs * torch.log(probs + _ENTROPY_EPS)).sum(dim=-1)
         conf = torch.where((kind == CONF_NEG_ENTROPY)[:, None], neg_entropy, conf)
-    if bool((kind == CONF_MARGIN).any()):
+    if CONF_MARGIN in kinds_present:
         top2 = probs.topk(2, dim=-1).values
         conf = torch.where((kind == CONF_MARGIN)[:, None], top2[..., 0] - top2[..., 1], conf)
     return conf

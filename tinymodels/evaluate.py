@@ -17,11 +17,11 @@ from typing import Any, Optional
 
 import torch
 
-from engine.builtin.tasks import Problem, answer_of, sample
 from engine.chat import chat_prompt_ids
 from engine.decoding import DecodeParams, GenerationResult, generate
 from engine.decoding.params import resolve_defaults
 from engine.engine import Engine
+from tinymodels.tasks import Problem, answer_of, sample
 
 
 @dataclass(frozen=True)

@@ -30,14 +30,14 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from engine.builtin import char_tokenizer as chars
-from engine.builtin.formats import dream_config, generation_config, llada_config, save_checkpoint
-from engine.builtin.optim import OPTIMIZERS, Optimizer, build_optimizer
-from engine.builtin.tasks import DEFAULT_MIX, Problem, problems
 from engine.models.dream import DreamModel
 from engine.models.llada import LLaDAModel
 from engine.models.transformer import DiffusionTransformer
 from engine.special_tokens import SpecialTokens
+from tinymodels import char_tokenizer as chars
+from tinymodels.formats import dream_config, generation_config, llada_config, save_checkpoint
+from tinymodels.optim import OPTIMIZERS, Optimizer, build_optimizer
+from tinymodels.tasks import DEFAULT_MIX, Problem, problems
 
 _MIN_MASK_RATIO = 1e-3  # LLaDA's eps: t is never 0, so 1/t stays finite
 _STATE_FILE = "train_state.pt"
@@ -74,7 +74,7 @@ class TrainConfig:
     # Share of examples masked only after a random cut in the canvas (a response prefix stays
     # visible): the pattern a one-token-per-step decoder meets when it fills a chain left to right.
     prefix_mask_share: float = 0.0
-    optimizer: str = "adamw"  # or "muon" (engine/builtin/optim.py)
+    optimizer: str = "adamw"  # or "muon" (tinymodels/optim.py)
     mix: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_MIX))
 
     def __post_init__(self) -> None:

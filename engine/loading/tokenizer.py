@@ -13,8 +13,8 @@ from typing import Union
 import transformers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from engine.checkpoint import CheckpointFiles
 from engine.errors import CheckpointError
+from engine.loading.checkpoint import CheckpointFiles
 
 # Custom (remote-code) tokenizer classes that are renamed copies of a standard one.
 STANDARD_TOKENIZER_FOR: dict[str, str] = {

@@ -14,14 +14,14 @@ from typing import Optional, Union
 
 import torch
 
-from engine.checkpoint import CheckpointFiles
 from engine.devices import resolve
 from engine.errors import CheckpointError
+from engine.loading.checkpoint import CheckpointFiles
+from engine.loading.safetensors_stream import TensorEntry, copy_tensor_into, read_header
 from engine.models.attention import select_attention
 from engine.models.registry import model_class_for
 from engine.models.transformer import DiffusionTransformer
 from engine.models.weight_names import IGNORED_WEIGHTS, expected_weights
-from engine.safetensors_stream import TensorEntry, copy_tensor_into, read_header
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,262 @@
+"""The decide step: from a step's logits to what each row commits, and the one summary the host reads.
+
+Policies are a registry: name -> (confidence kind, decide function). Each decide function sees the
+whole batch and returns a commit mask for every row; the dispatcher runs each function present in
+the batch once and keeps, per row, the decision of that row's policy. Rows of different policies
+share a step.
+
+Per-row state that lives from step to step on the device (CAI's first-step confidences and
+low-yield counter) and the per-request knobs are slot-indexed tensors, written once when a request
+takes a slot, so a step gathers them with one index and never reads a device value back on its own.
+The step ends with `summarize`: one tensor holding, per row, its counters and its block's tokens,
+which the scheduler transfers to the host once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from engine.decoding import policies as P
+from engine.decoding.sampling import (
+    CONF_MARGIN,
+    CONF_NEG_ENTROPY,
+    CONF_PROB,
+    confidence,
+    filter_top_k_top_p,
+    predict,
+)
+from engine.request import Request
+
+# ----------------------------------------------------------------------------------------- knobs
+
+# Float and integer knobs of a request, one slot row each; booleans are stored as 0/1 integers.
+_FLOAT_KNOBS = ("theta_s", "theta_e", "warmup", "block_decay", "eta", "eta_denominator", "theta_fb", "threshold",
+                "top_p")
+_INT_KNOBS = ("block_schedule", "stretch", "position_factors", "budgets", "grinding", "patience", "grinding_fill",
+              "min_commit", "top_k", "steps_per_block", "num_blocks", "block_length", "family", "conf_kind")
+
+
+def _float_knobs(request: Request) -> list[float]:
+    p = request.params
+    return [p.theta_s, p.theta_e, p.warmup, p.block_decay, p.eta,
+            float(p.gen_length if p.eta_denominator == "generation" else request.block_length), p.theta_fb,
+            p.threshold, p.top_p if p.top_p is not None else 1.0]
+
+
+def _int_knobs(request: Request) -> list[int]:
+    p = request.params
+    gating = p.gating_on
+    policy = POLICIES[p.policy]
+    return [int(p.block_schedule), int(p.block_schedule_mode == "stretch"), int(p.position_factors),
+            int(p.budgets and gating), int(p.grinding and gating), p.patience, int(p.grinding_exit == "fill"),
+            p.min_commit, p.top_k or 0, request.steps_per_block, request.num_blocks, request.block_length,
+            policy.family, policy.conf_kind]
+
+
+# Per-step values that change as a row advances, sent to the device as one [B, k] tensor.
+STEP_FIELDS = ("slot", "step", "block", "block_start", "quota", "commit_first_only", "block_length", "length",
+                "prompt_len")
+
+
+def step_fields(request: Request) -> list[int]:
+    return [request.slot, request.step, request.block, request.block_start,
+            request.rank_quota() if POLICIES[request.policy].family == P.FAMILY_RANK else 0,
+            int(request.params.commit_first_at_block_start and request.step == 0), request.block_length,
+            request.length, request.prompt_len]
+
+
+# -------------------------------------------------------------------------------------- registry
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Everything a decide function may read about the step's rows, as [B] / [B, W] tensors."""
+
+    conf: torch.Tensor  # [B, W] Box 1 confidence (of the row's kind)
+    candidates: torch.Tensor  # [B, W] still masked and inside the row's block
+    step: torch.Tensor
+    block: torch.Tensor
+    quota: torch.Tensor
+    f: dict[str, torch.Tensor]  # float knobs by name
+    i: dict[str, torch.Tensor]  # integer knobs by name
+    first_conf: torch.Tensor  # [B, W] Box 2's s_i as stored so far
+    low_yield: torch.Tensor  # [B]
+
+
+@dataclass
+class Decision:
+    commit: torch.Tensor  # [B, W]
+    forced: Optional[torch.Tensor] = None  # [B, W] committed below their threshold
+    first_conf: Optional[torch.Tensor] = None  # [B, W] state to store back
+    low_yield: Optional[torch.Tensor] = None  # [B]
+    grinding_exit: Optional[torch.Tensor] = None  # [B]
+
+
+DecideFn = Callable[[Batch], Decision]
+
+
+def decide_rank(batch: Batch) -> Decision:
+    """`fixed` (LLaDA) and `dream-*`: the quota best candidates (the quota is computed on the host)."""
+    return Decision(P.commit_best(batch.conf, batch.candidates, batch.quota))
+
+
+def decide_threshold(batch: Batch) -> Decision:
+    """Fast-dLLM: every candidate at or above the threshold, and always the best one."""
+    return Decision(P.threshold_commit(batch.conf, batch.candidates, batch.f["threshold"],
+                                       torch.ones_like(batch.step)))
+
+
+def decide_cai(batch: Batch) -> Decision:
+    """CAI, Algorithm 1 (policies.cai_step)."""
+    f, i = batch.f, batch.i
+    first_conf = P.box2_first_step_confidence(batch.conf, batch.first_conf, batch.step)
+    knobs = P.CaiKnobs(theta_s=f["theta_s"], theta_e=f["theta_e"], warmup=f["warmup"],
+                       block_schedule=i["block_schedule"] > 0, block_decay=f["block_decay"],
+                       stretch=i["stretch"] > 0, position_factors=i["position_factors"] > 0,
+                       budgets=i["budgets"] > 0, grinding=i["grinding"] > 0, eta=f["eta"],
+                       eta_denominator=f["eta_denominator"], patience=i["patience"], theta_fb=f["theta_fb"],
+                       grinding_fill=i["grinding_fill"] > 0, min_commit=i["min_commit"])
+    out = P.cai_step(batch.conf, batch.candidates, batch.step, i["steps_per_block"], batch.block, i["num_blocks"],
+                     i["block_length"], P.CaiState(first_conf=first_conf, low_yield=batch.low_yield), knobs)
+    return Decision(out.commit, out.forced, first_conf, out.low_yield, out.grinding_exit)
+
+
+@dataclass(frozen=True)
+class Policy:
+    conf_kind: int
+    family: int
+    decide: DecideFn
+
+
+POLICIES: dict[str, Policy] = {
+    "fixed": Policy(CONF_PROB, P.FAMILY_RANK, decide_rank),
+    "threshold": Policy(CONF_PROB, P.FAMILY_THRESHOLD, decide_threshold),
+    "cai": Policy(CONF_PROB, P.FAMILY_CAI, decide_cai),
+    "dream-maskgit_plus": Policy(CONF_PROB, P.FAMILY_RANK, decide_rank),
+    "dream-entropy": Policy(CONF_NEG_ENTROPY, P.FAMILY_RANK, decide_rank),
+    "dream-topk_margin": Policy(CONF_MARGIN, P.FAMILY_RANK, decide_rank),
+}
+
+# Summary columns before the block's tokens.
+SUMMARY_COLUMNS = ("committed", "still_masked", "forced", "grinding_exit", "end_pos", "band_high", "band_mid",
+                   "band_low", "first_masked")
+
+
+class DecodeState:
+    """Slot-indexed device tensors: request knobs and CAI's per-row state."""
+
+    def __init__(self, max_batch: int, device: torch.device) -> None:
+        self.device = device
+        self.width = 1
+        self.knobs_f = torch.zeros(max_batch, len(_FLOAT_KNOBS), device=device)
+        self.knobs_i = torch.zeros(max_batch, len(_INT_KNOBS), dtype=torch.long, device=device)
+        self.first_conf = torch.zeros(max_batch, self.width, device=device)
+        self.low_yield = torch.zeros(max_batch, dtype=torch.long, device=device)
+
+    def admit(self, request: Request) -> None:
+        """Write a request's knobs into its slot (host-to-device, once per request)."""
+        if request.block_length > self.width:
+            grown = torch.zeros(self.first_conf.shape[0], request.block_length, device=self.device)
+            grown[:, :self.width] = self.first_conf
+            self.first_conf, self.width = grown, request.block_length
+        slot = request.slot
+        self.knobs_f[slot] = torch.tensor(_float_knobs(request), dtype=torch.float32).to(self.device)
+        self.knobs_i[slot] = torch.tensor(_int_knobs(request), dtype=torch.long).to(self.device)
+        self.low_yield[slot] = 0
+
+
+@dataclass
+class StepRows:
+    """The host's view of the rows in a step, fixed before the forward."""
+
+    requests: Sequence[Request]
+    width: int  # the widest block
+    fields: torch.Tensor  # [B, len(STEP_FIELDS)] on the device
+    policies: frozenset[str]
+    sampled: list[tuple[int, torch.Generator, float]]  # (row, generator, temperature) of sampling rows
+    max_top_k: int
+    any_top_p: bool
+    commit_first: bool
+
+    @classmethod
+    def build(cls, requests: Sequence[Request], device: torch.device) -> StepRows:
+        rows = [step_fields(r) for r in requests]
+        fields = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+        sampled = [(b, r.generator, r.params.temperature) for b, r in enumerate(requests) if r.generator is not None]
+        return cls(requests=requests, width=max(r.block_length for r in requests), fields=fields,
+                   policies=frozenset(r.policy for r in requests), sampled=sampled,
+                   max_top_k=max((r.params.top_k or 0) for r in requests),
+                   any_top_p=any(r.params.top_p is not None and r.params.top_p < 1 for r in requests),
+                   commit_first=any(row[5] for row in rows))
+
+    def column(self, name: str) -> torch.Tensor:
+        return self.fields[:, STEP_FIELDS.index(name)]
+
+
+def decide_step(state: DecodeState, rows: StepRows, logits: torch.Tensor, block_tokens: torch.Tensor,
+                in_block: torch.Tensor, mask_id: int, end_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Predict, decide and commit for every row. Returns (the block's new tokens [B, W], the summary
+    [B, len(SUMMARY_COLUMNS) + W] whose host copy is the step's one device-to-host transfer)."""
+    slots = rows.column("slot")
+    f_all, i_all = state.knobs_f[slots], state.knobs_i[slots]
+    f = dict(zip(_FLOAT_KNOBS, f_all.unbind(1), strict=True))
+    i = dict(zip(_INT_KNOBS, i_all.unbind(1), strict=True))
+    if rows.max_top_k > 0 or rows.any_top_p:
+        logits = filter_top_k_top_p(logits, i["top_k"], f["top_p"], max_top_k=rows.max_top_k,
+                                    any_top_p=rows.any_top_p)
+    x0 = predict(logits, rows.sampled, mask_id)
+    kinds = frozenset(POLICIES[name].conf_kind for name in rows.policies)
+    conf = confidence(logits, x0, i["conf_kind"], kinds)
+    candidates = (block_tokens == mask_id) & in_block
+    width = block_tokens.shape[1]
+    batch = Batch(conf=conf, candidates=candidates, step=rows.column("step"), block=rows.column("block"),
+                  quota=rows.column("quota"), f=f, i=i, first_conf=state.first_conf[slots, :width],
+                  low_yield=state.low_yield[slots])
+
+    commit = torch.zeros_like(candidates)
+    forced = torch.zeros_like(candidates)
+    grinding = torch.zeros_like(batch.step, dtype=torch.bool)
+    decided: dict[DecideFn, Decision] = {}
+    for name in sorted(rows.policies):
+        policy = POLICIES[name]
+        if policy.decide not in decided:
+            decided[policy.decide] = policy.decide(batch)
+    for fn, decision in decided.items():
+        families = {p.family for p in POLICIES.values() if p.decide is fn}
+        mine = torch.zeros_like(grinding)
+        for family in families:
+            mine |= i["family"] == family
+        if len(decided) == 1:
+            commit = decision.commit
+        else:
+            commit = torch.where(mine[:, None], decision.commit, commit)
+        if decision.forced is not None:
+            forced = torch.where(mine[:, None], decision.forced, forced)
+            grinding = mine & decision.grinding_exit
+            state.first_conf[slots, :width] = torch.where(mine[:, None], decision.first_conf, batch.first_conf)
+            state.low_yield[slots] = torch.where(mine, decision.low_yield, batch.low_yield)
+    if rows.commit_first:  # Fast-dLLM's Dream block decoder: a block's first forward commits its first token
+        first_only = rows.column("commit_first_only") > 0
+        first = torch.zeros_like(candidates)
+        first[:, 0] = True
+        commit = torch.where(first_only[:, None], first & candidates, commit)
+
+    new_tokens = torch.where(commit, x0, block_tokens)
+    still_masked = (new_tokens == mask_id) & in_block
+    is_end = torch.isin(new_tokens, end_ids) & in_block
+    clear_before = still_masked.int().cumsum(dim=1) == 0
+    hit = is_end & clear_before
+    none = torch.full_like(batch.step, -1)
+    end_pos = torch.where(hit.any(dim=1), hit.int().argmax(dim=1), none)
+    bands = torch.stack([candidates & (conf > P.CONF_HIGH),
+                         candidates & (conf >= P.CONF_LOW) & (conf <= P.CONF_HIGH),
+                         candidates & (conf < P.CONF_LOW)], dim=1).sum(dim=2)
+    first_masked = torch.where(still_masked.any(dim=1), still_masked.int().argmax(dim=1), i["block_length"])
+    summary = torch.cat([torch.stack([commit.sum(dim=1), still_masked.sum(dim=1), forced.sum(dim=1),
+                                      grinding.long(), end_pos], dim=1), bands, first_masked[:, None],
+                         new_tokens], dim=1)
+    return new_tokens, summary

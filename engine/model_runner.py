@@ -1,0 +1,217 @@
+"""The model runner: builds a step's inputs, assembles KV stores and runs the forward passes.
+
+Rows' canvases live in one slot-indexed buffer on the device, so a step gathers its block tokens,
+full-forward inputs and cached-forward inputs with a few batched index operations, whatever the
+number of rows. Each row takes part in exactly one forward per step:
+- full (no cache, a block's first step, or a refresh every f steps): the whole canvas; rows with a
+  cache keep the keys/values it produced, as a reference into that forward's `KVStore`;
+- dual (Fast-dLLM's DualCache): only the row's block; prefix: the block and everything after it.
+  Dream also feeds the position before the block, whose output predicts the block's first token.
+Rows that forward together again reuse their store in place; otherwise a store is assembled from
+their rows' stores (a copy, only when the group of rows changes). This is the one place for speed
+tricks; the decisions (engine.decoding.decide) and the bookkeeping (engine.scheduler) never see
+a store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.decoding.decide import STEP_FIELDS, StepRows
+from engine.models.kv_cache import CacheWrite, KVStore
+from engine.models.transformer import DiffusionTransformer
+from engine.request import FORWARD_DUAL, FORWARD_FULL, FORWARD_PREFIX, Request
+
+
+@dataclass
+class StepInputs:
+    """The forward passes' result for the step's rows, in row order."""
+
+    logits: torch.Tensor  # [B, W, V] float32: the prediction for each block position
+    block_tokens: torch.Tensor  # [B, W] the canvas at each row's block (past the block: what follows it)
+    in_block: torch.Tensor  # [B, W] position inside the row's block
+    positions: torch.Tensor  # [B, W] canvas index of each block position
+    fed_tokens: list[int]  # tokens each row fed to the model this step
+
+
+class ModelRunner:
+    def __init__(self, model: DiffusionTransformer, max_batch: int) -> None:
+        self.model = model
+        self.device = model.device
+        self.shift = 1 if model.logits_shifted else 0
+        self.mask_id = model.special.mask_id
+        self.pad_id = model.special.pad_id
+        self.canvas = torch.full((max_batch, 1), self.pad_id, dtype=torch.long, device=self.device)
+        self._arange = torch.arange(1, device=self.device)
+
+    # ------------------------------------------------------------------------------ slots
+
+    def admit(self, request: Request, running: Sequence[Request]) -> None:
+        """Write the request's prompt and masks into its slot's canvas row. The buffer is as wide as
+        the longest canvas plus the widest block, so no row's block window runs past it."""
+        needed = max(r.length for r in running) + max(r.block_length for r in running)
+        if needed > self.canvas.shape[1]:
+            grown = torch.full((self.canvas.shape[0], needed), self.pad_id, dtype=torch.long, device=self.device)
+            grown[:, :self.canvas.shape[1]] = self.canvas
+            self.canvas = grown
+            self._arange = torch.arange(needed, device=self.device)
+        row = torch.tensor([*request.prompt_ids, *([self.mask_id] * request.gen_length)], dtype=torch.long)
+        self.canvas[request.slot, :request.length] = row.to(self.device, non_blocking=True)
+
+    @staticmethod
+    def release(request: Request) -> None:
+        request.kv = None
+
+    def canvas_of(self, request: Request) -> torch.Tensor:
+        return self.canvas[request.slot, :request.length]
+
+    # ------------------------------------------------------------------------------ one step
+
+    @torch.no_grad()
+    def run(self, rows: StepRows) -> StepInputs:
+        requests = rows.requests
+        width = rows.width
+        slots = rows.column("slot")
+        p = self._arange[:width]
+        positions = rows.column("block_start")[:, None] + p
+        in_block = p[None, :] < rows.column("block_length")[:, None]
+        block_tokens = self.canvas[slots[:, None], positions]
+
+        by_kind: dict[str, list[int]] = {}
+        for b, request in enumerate(requests):
+            by_kind.setdefault(request.forward_kind(), []).append(b)
+        fed = [0] * len(requests)
+        if len(by_kind) == 1:
+            [(kind, indices)] = by_kind.items()
+            logits = self._forward(kind, requests, rows.fields, in_block, width)
+        else:
+            parts, order = [], []
+            for kind, indices in by_kind.items():
+                index = torch.tensor(indices, dtype=torch.long).to(self.device, non_blocking=True)
+                parts.append(self._forward(kind, [requests[b] for b in indices], rows.fields[index],
+                                           in_block[index], width))
+                order.extend(indices)
+            inverse = torch.tensor(sorted(range(len(order)), key=order.__getitem__), dtype=torch.long)
+            logits = torch.cat(parts)[inverse.to(self.device, non_blocking=True)]
+        for kind, indices in by_kind.items():
+            for b in indices:
+                fed[b] = self._fed_tokens(requests[b], kind)
+        return StepInputs(logits.float(), block_tokens, in_block, positions, fed)
+
+    def commit(self, rows: StepRows, inputs: StepInputs, new_tokens: torch.Tensor) -> None:
+        """Write each row's block back (positions past a row's block get their own value back)."""
+        self.canvas[rows.column("slot")[:, None], inputs.positions] = new_tokens
+
+    # ------------------------------------------------------------------------------ forwards
+
+    def _fed_tokens(self, request: Request, kind: str) -> int:
+        if kind == FORWARD_FULL:
+            return request.length * (2 if request.params.cfg_scale > 0 else 1)
+        if kind == FORWARD_DUAL:
+            return request.block_length + self.shift
+        return request.length - request.block_start + self.shift
+
+    def _forward(self, kind: str, requests: Sequence[Request], fields: torch.Tensor, in_block: torch.Tensor,
+                 width: int) -> torch.Tensor:
+        if kind == FORWARD_FULL:
+            return self._forward_full(requests, fields, in_block, width)
+        return self._forward_cached(requests, fields, in_block, width, through_end=kind == FORWARD_PREFIX)
+
+    def _forward_full(self, requests: Sequence[Request], fields: torch.Tensor, in_block: torch.Tensor,
+                      width: int) -> torch.Tensor:
+        """Every row's whole canvas; rows with a KV cache keep the keys/values it produced."""
+        model = self.model
+        length = max(r.length for r in requests)
+        slots = fields[:, STEP_FIELDS.index("slot")]
+        ids = self.canvas[slots, :length]
+        key_mask = self._arange[None, :length] < fields[:, STEP_FIELDS.index("length"), None]
+        at = fields[:, STEP_FIELDS.index("block_start"), None] - self.shift + self._arange[None, :width]
+        at = torch.where(in_block, at, 0)
+        guided = [b for b, r in enumerate(requests) if r.params.cfg_scale > 0]
+        if guided:  # LLaDA classifier-free guidance: the same canvas with the prompt masked
+            index = torch.tensor(guided, dtype=torch.long).to(self.device, non_blocking=True)
+            in_prompt = self._arange[None, :length] < fields[index, STEP_FIELDS.index("prompt_len"), None]
+            ids = torch.cat([ids, torch.where(in_prompt, self.mask_id, ids[index])])
+            key_mask = torch.cat([key_mask, key_mask[index]])
+            at = torch.cat([at, at[index]])
+        positions = self._arange[:length].expand(ids.shape[0], -1)
+        if any(r.params.cache != "none" for r in requests):
+            config = model.config
+            store = KVStore.empty(config.num_layers, ids.shape[0], config.num_kv_heads, length + 1,
+                                  config.head_dim, model.dtype, self.device)
+            store.key_mask[:, :length] = key_mask
+            logits = model(ids, position_ids=positions, cache=CacheWrite(store, positions), logits_at=at)
+            for b, request in enumerate(requests):
+                request.kv = (store, b) if request.params.cache != "none" else None
+        else:
+            logits = model(ids, attention_mask=key_mask, position_ids=positions, logits_at=at)
+        if guided:
+            n = len(requests)
+            conditional = logits[:n].clone()
+            scale = torch.tensor([requests[b].params.cfg_scale for b in guided], dtype=logits.dtype)
+            scale = scale.to(self.device, non_blocking=True)[:, None, None]
+            unconditional = logits[n:]
+            conditional[index] = unconditional + (scale + 1) * (conditional[index] - unconditional)
+            logits = conditional
+        return logits
+
+    def _gather_store(self, requests: Sequence[Request]) -> KVStore:
+        """A store whose row b is requests[b]'s cache, reusing the rows' own store when it matches."""
+        first = requests[0].kv
+        if (first is not None and first[0].batch == len(requests)
+                and all(r.kv is not None and r.kv[0] is first[0] and r.kv[1] == b for b, r in enumerate(requests))):
+            return first[0]
+        model = self.model
+        config = model.config
+        width = max(r.length for r in requests) + 1  # + a scratch column for padded queries
+        store = KVStore.empty(config.num_layers, len(requests), config.num_kv_heads, width, config.head_dim,
+                              model.dtype, self.device)
+        sources: dict[int, tuple[KVStore, list[int], list[int]]] = {}
+        for b, request in enumerate(requests):
+            if request.kv is None:
+                raise RuntimeError("a cached forward needs a full forward first")
+            source, row = request.kv
+            _, dst, src = sources.setdefault(id(source), (source, [], []))
+            dst.append(b)
+            src.append(row)
+        for source, dst, src in sources.values():
+            n = min(source.width, width) - 1
+            dst_index = torch.tensor(dst, dtype=torch.long).to(self.device, non_blocking=True)
+            src_index = torch.tensor(src, dtype=torch.long).to(self.device, non_blocking=True)
+            for layer in range(config.num_layers):
+                store.keys[layer][dst_index, :, :n] = source.keys[layer][src_index, :, :n]
+                store.values[layer][dst_index, :, :n] = source.values[layer][src_index, :, :n]
+            store.key_mask[dst_index, :n] = source.key_mask[src_index, :n]
+        for b, request in enumerate(requests):
+            request.kv = (store, b)
+        return store
+
+    def _forward_cached(self, requests: Sequence[Request], fields: torch.Tensor, in_block: torch.Tensor,
+                        width: int, through_end: bool) -> torch.Tensor:
+        """Feed each row's block (dual) or block and everything after it (prefix); the other
+        positions' keys/values come from the cache."""
+        store = self._gather_store(requests)
+        scratch = store.width - 1
+        shift = self.shift
+        spans = [(r.block_start - shift, r.length if through_end else r.block_start + r.block_length)
+                 for r in requests]
+        query_length = max(end - first for first, end in spans)
+        first = fields[:, STEP_FIELDS.index("block_start"), None] - shift
+        if through_end:
+            end = fields[:, STEP_FIELDS.index("length"), None]
+        else:
+            end = fields[:, STEP_FIELDS.index("block_start"), None] + fields[:, STEP_FIELDS.index("block_length"), None]
+        j = self._arange[None, :query_length]
+        source = first + j
+        valid = source < end
+        slots = fields[:, STEP_FIELDS.index("slot"), None]
+        ids = torch.where(valid, self.canvas[slots, source.clamp(max=self.canvas.shape[1] - 1)], self.mask_id)
+        positions = torch.where(valid, source, 0)
+        # The extra position before the block (Dream) is only a query: its cached key/value stay
+        # from the last full forward, as every other position outside the fed span.
+        write_index = torch.where(valid & (j >= shift), source, scratch)
+        at = torch.where(in_block, self._arange[None, :width], 0)
+        return self.model(ids, position_ids=positions, cache=CacheWrite(store, write_index), logits_at=at)

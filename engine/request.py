@@ -1,0 +1,131 @@
+"""One request's state inside the engine, and what a step reports about it.
+
+A `Request` is host-side bookkeeping only: where the row is in its canvas (block, step), a host
+mirror of its generated tokens, its telemetry, and the slot whose device tensors hold the rest
+(canvas, CAI state, knobs: `engine.model_runner` and `engine.decoding.decide`). Everything here is
+updated from the one summary a step transfers back, so no field needs a device read of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from engine.decoding.params import DecodeParams
+from engine.decoding.policies import dream_transfer_fractions
+from engine.decoding.types import GenerationRequest, GenerationResult, RequestStats
+from engine.models.kv_cache import KVStore
+
+FORWARD_FULL, FORWARD_DUAL, FORWARD_PREFIX = "full", "dual", "prefix"
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step did for one row.
+
+    `new_token_ids` are the generated tokens that became final since the row's last output (no
+    mask before them), up to and including the first end token; concatenated over a request's
+    outputs they are its response followed by its end token, if any. `fed_tokens` is the row's
+    share of the step's work (tokens it fed to the model). `result` is set once, on the step that
+    finished the row."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    committed: int
+    fed_tokens: int
+    result: Optional[GenerationResult] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return None if self.result is None else self.result.finish_reason
+
+
+class Request:
+    """Host state of one request, from `Engine.add_request` until it finishes or is aborted."""
+
+    def __init__(self, request: GenerationRequest, params: DecodeParams, mask_id: int, end_ids: frozenset[int],
+                 queued_at: float) -> None:
+        self.request_id = request.request_id
+        self.prompt_ids = tuple(request.prompt_ids)
+        self.params = params  # resolved: no None left where the model decides
+        self.prompt_len = len(self.prompt_ids)
+        self.gen_length = params.gen_length
+        self.length = self.prompt_len + self.gen_length
+        self.block_length = params.effective_block_length
+        self.num_blocks = params.num_blocks
+        self.steps_per_block = params.steps_per_block
+        self.policy = params.policy
+        self.mask_id = mask_id
+        self.end_ids = end_ids
+        self.dream_fractions = (np.asarray(dream_transfer_fractions(self.steps_per_block, params.eps),
+                                           dtype=np.float32) if params.policy.startswith("dream-") else None)
+        self.queued_at = queued_at
+        self.slot = -1
+        self.block = 0
+        self.step = 0
+        self.masked_now = self.block_length  # masks left in the current block
+        self.masked_at_block_start = self.block_length
+        self.generated = [mask_id] * self.gen_length  # host mirror of the canvas after the prompt
+        self.emitted = 0  # generated tokens already reported in a StepOutput
+        self.end_emitted = False
+        self.kv: Optional[tuple[KVStore, int]] = None  # (store, row) of the forward that last wrote it
+        self.generator: Optional[torch.Generator] = None
+        self.started = 0.0
+        self.stats = RequestStats(fixed_step_budget=self.num_blocks * self.steps_per_block)
+
+    def admit(self, slot: int, device: torch.device) -> None:
+        self.slot = slot
+        self.started = time.perf_counter()
+        self.stats.queue_time = self.started - self.queued_at
+        p = self.params
+        if p.temperature > 0:
+            self.generator = torch.Generator(device=device)
+            if p.seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(p.seed)
+
+    @property
+    def block_start(self) -> int:
+        """Canvas index of the current block's first token."""
+        return self.prompt_len + self.block * self.block_length
+
+    def forward_kind(self) -> str:
+        p = self.params
+        if p.cache == "none" or self.step == 0 or (p.refresh_interval and self.step % p.refresh_interval == 0):
+            return FORWARD_FULL
+        return FORWARD_DUAL if p.cache == "dual" else FORWARD_PREFIX
+
+    def rank_quota(self) -> int:
+        """Tokens the rank policies commit this step: LLaDA's `get_num_transfer_tokens` (M // s, the
+        first M % s steps one more) or Dream's int(M * (1 - s/t)) in float32, every mask at the last step."""
+        if self.dream_fractions is None:
+            base, extra = divmod(self.masked_at_block_start, self.steps_per_block)
+            return base + (1 if self.step < extra else 0)
+        if self.step >= self.steps_per_block - 1:
+            return self.masked_now
+        return int(np.float32(self.masked_now) * self.dream_fractions[self.step])
+
+    def take_new_final(self, stable: int) -> tuple[int, ...]:
+        """The generated tokens in [emitted, stable) not yet reported, stopping after an end token."""
+        if self.end_emitted or stable <= self.emitted:
+            return ()
+        new = self.generated[self.emitted:stable]
+        for i, token in enumerate(new):
+            if token in self.end_ids:
+                new = new[:i + 1]
+                self.end_emitted = True
+                break
+        self.emitted = stable
+        return tuple(new)
+
+    def first_end(self) -> Optional[int]:
+        return next((i for i, t in enumerate(self.generated) if t in self.end_ids), None)

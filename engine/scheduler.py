@@ -1,0 +1,158 @@
+"""The scheduler: waiting and running requests, slots, admission, abort, and the step's postprocess.
+
+`schedule()` admits waiting requests into free slots (step-level continuous batching: a request
+joins at the next step, a finished or aborted one leaves at once) and returns the step's rows.
+`postprocess()` reads the step's one host summary and advances each row: its counters and telemetry,
+the tokens that became final, the move to the next block, and finishing (early exit at the first
+end token with no mask before it, or the last block done).
+
+Thread safety: `add` and `abort` may be called from any thread (the server's event loop); they
+take a lock and never touch a running row. Aborts of running rows take effect at the next
+`schedule()`, on the thread that steps.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Optional
+
+from engine.decoding.decide import SUMMARY_COLUMNS
+from engine.decoding.types import FINISH_LENGTH, FINISH_STOP, GenerationResult
+from engine.request import Request, StepOutput
+
+_COMMITTED, _STILL_MASKED, _FORCED, _GRINDING, _END_POS, _BAND_HIGH, _BAND_MID, _BAND_LOW, _FIRST_MASKED = range(
+    len(SUMMARY_COLUMNS))
+_TOKENS = len(SUMMARY_COLUMNS)
+
+
+class Scheduler:
+    def __init__(self, max_batch: int) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.max_batch = max_batch
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._free_slots = list(range(max_batch - 1, -1, -1))
+        self._aborts: set[str] = set()
+        self._known: set[str] = set()  # ids of requests waiting or running
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ any thread
+
+    def add(self, request: Request) -> None:
+        with self._lock:
+            if request.request_id in self._known:
+                raise ValueError(f"request id {request.request_id!r} is already in the engine")
+            self._known.add(request.request_id)
+            self.waiting.append(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request: at once if it is waiting, at the next step if it is running."""
+        with self._lock:
+            if request_id not in self._known:
+                return False
+            for request in self.waiting:
+                if request.request_id == request_id:
+                    self.waiting.remove(request)
+                    self._known.discard(request_id)
+                    return True
+            self._aborts.add(request_id)
+            return True
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ the stepping thread
+
+    def schedule(self) -> tuple[list[Request], list[Request]]:
+        """Apply pending aborts, admit waiting requests into free slots. Returns (aborted running
+        requests, newly admitted requests); `self.running` is the step's rows."""
+        with self._lock:
+            aborts, self._aborts = self._aborts, set()
+            aborted = [r for r in self.running if r.request_id in aborts]
+            if aborted:
+                self.running = [r for r in self.running if r.request_id not in aborts]
+                for request in aborted:
+                    self._release(request)
+            admitted = []
+            while self.waiting and self._free_slots:
+                request = self.waiting.popleft()
+                request.slot = self._free_slots.pop()
+                self.running.append(request)
+                admitted.append(request)
+        return aborted, admitted
+
+    def _release(self, request: Request) -> None:
+        self._free_slots.append(request.slot)
+        self._known.discard(request.request_id)
+
+    def postprocess(self, rows: Sequence[Request], summary: list[list[int]], fed: Sequence[int]) -> list[StepOutput]:
+        """Advance every row by the step's host summary; finished rows leave the batch."""
+        outputs: list[StepOutput] = []
+        finished: list[Request] = []
+        for request, info, fed_tokens in zip(rows, summary, fed, strict=True):
+            # generated tokens that can no longer change: no mask before them
+            stable = request.block_start - request.prompt_len + info[_FIRST_MASKED]
+            result = self._advance(request, info)
+            if result is not None:
+                stable = len(result.generated_ids)
+            outputs.append(StepOutput(request.request_id, request.take_new_final(stable), info[_COMMITTED],
+                                      fed_tokens, result))
+            if result is not None:
+                finished.append(request)
+        if finished:
+            with self._lock:
+                done = {r.request_id for r in finished}
+                self.running = [r for r in self.running if r.request_id not in done]
+                for request in finished:
+                    self._release(request)
+        return outputs
+
+    def _advance(self, request: Request, info: list[int]) -> Optional[GenerationResult]:
+        offset = request.block_start - request.prompt_len
+        width = request.block_length
+        request.generated[offset:offset + width] = info[_TOKENS:_TOKENS + width]
+        stats = request.stats
+        stats.nfe += 1
+        stats.tokens_per_step.append(info[_COMMITTED])
+        stats.forced_commits += info[_FORCED]
+        stats.grinding_exits += info[_GRINDING]
+        if request.step == 0:
+            bands = stats.first_step_confidence_bands
+            bands[0] += info[_BAND_HIGH]
+            bands[1] += info[_BAND_MID]
+            bands[2] += info[_BAND_LOW]
+        request.masked_now = info[_STILL_MASKED]
+        if request.params.early_exit and info[_END_POS] >= 0:
+            stats.steps_per_block.append(request.step + 1)
+            end = offset + info[_END_POS]
+            return self._result(request, FINISH_STOP, request.generated[:end + 1], end)
+        if info[_STILL_MASKED]:
+            request.step += 1
+            return None
+        stats.steps_per_block.append(request.step + 1)
+        request.block += 1
+        request.step = 0
+        request.masked_now = request.masked_at_block_start = request.block_length
+        if request.block < request.num_blocks:
+            return None
+        end = request.first_end()
+        return self._result(request, FINISH_STOP if end is not None else FINISH_LENGTH, list(request.generated), end)
+
+    @staticmethod
+    def _result(request: Request, reason: str, generated: list[int], end: Optional[int]) -> GenerationResult:
+        request.kv = None
+        request.stats.wall_time = time.perf_counter() - request.started
+        return GenerationResult(request.request_id, request.prompt_ids, generated, reason, request.stats,
+                                end_index=end)

@@ -1,0 +1,157 @@
+"""The output path: from each choice's token deltas to the text a client gets, streamed or whole.
+
+Both response kinds go through `ChoiceOutput.add`: the engine's deltas are detokenized
+incrementally (each step decodes only a short window, never the whole prefix again), cut at the
+first end token and at the first stop string, and what may be sent is everything except a tail that
+could still begin a stop string or finish a split multi-byte character. `finish_reason_of` is the
+one mapping from engine outcomes to OpenAI's finish_reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Any, Optional
+
+from engine import GenerationResult
+
+# Tokens before the new ones that are decoded with them, so a word split across steps is rendered
+# as the tokenizer would render it whole (vLLM keeps a similar window).
+_CONTEXT_TOKENS = 6
+
+
+def finish_reason_of(engine_reason: str, stopped_by_string: bool) -> str:
+    """The one mapping from engine outcomes to OpenAI's finish_reason."""
+    if stopped_by_string or engine_reason == "stop":
+        return "stop"
+    if engine_reason == "length":
+        return "length"
+    return "abort"
+
+
+def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int:
+    """Index of the earliest stop string in text[start:] (as an index into text), or -1."""
+    return min((i for i in (text.find(s, start) for s in stops if s) if i >= 0), default=-1)
+
+
+def held_back(text: str, stops: Sequence[str]) -> int:
+    """How many trailing characters of `text` must wait: a split multi-byte character, or a tail that
+    could be the beginning of a stop string."""
+    limit = len(text.rstrip("\ufffd"))
+    for stop in stops:
+        for k in range(min(len(stop) - 1, limit), 0, -1):
+            if text[:limit].endswith(stop[:k]):
+                limit -= k
+                break
+    return len(text) - limit
+
+
+class IncrementalDetokenizer:
+    """Text of a growing token sequence, decoding only the new tokens and a few before them."""
+
+    def __init__(self, tokenizer: Optional[Any]) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = 0  # start of the decoding window
+        self._read = 0  # tokens whose text is already in self.text
+
+    def add(self, ids: Sequence[int]) -> None:
+        if not ids:
+            return
+        self.ids.extend(ids)
+        if self.tokenizer is None:  # token-id-only models: ids as text
+            self.text = " ".join(map(str, self.ids))
+            self._read = len(self.ids)
+            return
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self._prefix:self._read], skip_special_tokens=True)
+        after = decode(self.ids[self._prefix:], skip_special_tokens=True)
+        if after.endswith("\ufffd"):  # a multi-byte character is not complete yet: wait for more tokens
+            return
+        if after.startswith(before):
+            self.text += after[len(before):]
+        else:  # the window rendered its start differently: decode everything once
+            self.text = decode(self.ids, skip_special_tokens=True)
+        self._read = len(self.ids)
+        self._prefix = max(0, self._read - _CONTEXT_TOKENS)
+
+    def flush(self) -> None:
+        """At the end: whatever is held back (an incomplete character) is rendered as it is."""
+        if self._read < len(self.ids) and self.tokenizer is not None:
+            self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            self._read = len(self.ids)
+
+
+class ChoiceOutput:
+    """One choice's text as its deltas arrive; `take()` gives what may be sent now."""
+
+    def __init__(self, index: int, request_id: str, prompt_ids: Sequence[int], tokenizer: Optional[Any],
+                 end_ids: Collection[int], stops: Sequence[str]) -> None:
+        self.index = index
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.end_ids = end_ids
+        self.stops = [s for s in stops if s]
+        self.text = ""
+        self.sent = 0
+        self.ended = False  # an end token or a stop string was seen: nothing after it counts
+        self.stopped_by_string = False
+        self.result: Optional[GenerationResult] = None
+        self.finish_reason: Optional[str] = None
+        self.joules: Optional[float] = None
+        self._searched = 0  # text before this index holds no stop string
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.detokenizer.ids
+
+    def add(self, ids: Sequence[int]) -> None:
+        if self.ended:
+            return
+        cut = next((i for i, t in enumerate(ids) if t in self.end_ids), None)
+        if cut is not None:
+            ids, self.ended = ids[:cut], True
+        self.detokenizer.add(ids)
+        if self.ended:
+            self.detokenizer.flush()
+        self._update_text()
+
+    def _update_text(self) -> None:
+        text = self.detokenizer.text
+        if self.stops:
+            longest = max(map(len, self.stops))
+            at = find_stop(text, self.stops, max(0, self._searched - longest + 1))
+            self._searched = len(text)
+            if at >= 0:
+                text, self.ended, self.stopped_by_string = text[:at], True, True
+        self.text = text
+
+    def finish(self, result: Optional[GenerationResult], joules: Optional[float] = None) -> None:
+        """The engine finished the row (result), or a stop string ended it early (None)."""
+        self.result = result
+        self.joules = joules
+        if not self.ended:
+            self.detokenizer.flush()
+            self._update_text()
+        self.ended = True
+        self.finish_reason = finish_reason_of(result.finish_reason if result else "stop", self.stopped_by_string)
+
+    def take(self) -> str:
+        """Text not sent yet that can no longer change."""
+        limit = len(self.text) if self.ended else len(self.text) - held_back(self.text, self.stops)
+        if limit <= self.sent:
+            return ""
+        piece, self.sent = self.text[self.sent:limit], limit
+        return piece
+
+    def completion_tokens(self, count_text: Any) -> int:
+        """Tokens of the response: the generated ones before the end token, or, when a stop string
+        cut the text, the text re-encoded (`count_text(text)`)."""
+        if self.stopped_by_string:
+            return count_text(self.text)
+        return len(self.token_ids)

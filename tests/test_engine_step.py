@@ -1,0 +1,123 @@
+"""The step API (`Engine.add_request / step / abort / has_unfinished`): one host read per step,
+per-step deltas, and the output path fed by them (streamed text identical to the whole response)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import DecodeParams, Engine, load_model
+from engine.chat import chat_prompt_ids
+from engine.decoding.decide import POLICIES
+from engine.host_reads import count_host_reads
+from server.output import ChoiceOutput
+from tinymodels.evaluate import held_out_problems
+
+ALL_POLICIES = sorted(POLICIES)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine_parts():
+    from engine.loading.tokenizer import load_tokenizer
+
+    path = Path(__file__).resolve().parents[1] / "models" / "llada-tiny"
+    return load_model(path), load_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def held_out_prompts(tiny_engine_parts):
+    _, tokenizer = tiny_engine_parts
+    return [chat_prompt_ids(tokenizer, [{"role": "user", "content": p.prompt}]) for p in held_out_problems(100, 0)]
+
+
+def _mixed_params(i: int, cache: str) -> DecodeParams:
+    """Every policy, sampling, top-k/top-p and guidance somewhere in the batch."""
+    policy = ALL_POLICIES[i % len(ALL_POLICIES)]
+    return DecodeParams(policy=policy, gen_length=32, block_length=8 if i % 2 else 16, cache=cache,
+                        early_exit=i % 3 != 0, temperature=0.7 if i == 3 else 0.0, seed=i,
+                        top_k=5 if i == 2 else None, top_p=0.9 if i == 4 else None,
+                        cfg_scale=1.0 if i == 5 and cache == "none" else 0.0)
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_one_host_read_per_step_whatever_the_batch(llada_model, dream_model, cache):
+    for model in (llada_model, dream_model):
+        engine = Engine.from_model(model, max_batch=8)
+        for i in range(11):  # more than a batch: rows join while others run
+            engine.add_request([1 + i, 2, 3, 4][: 2 + i % 3], _mixed_params(i, cache))
+        steps = 0
+        while engine.has_unfinished():
+            with count_host_reads() as reads:
+                outputs = engine.step()
+            assert reads.count == 1, reads.by_method
+            assert outputs
+            steps += 1
+        assert steps > 1
+
+
+def test_the_mask_token_is_never_predicted():
+    from engine.decoding.sampling import predict
+
+    logits = torch.tensor([[[0.0, 5.0, 1.0, 2.0], [3.0, 0.0, 1.0, 2.0]]])
+    assert predict(logits, [], mask_id=1).tolist() == [[3, 0]]
+    generator = torch.Generator().manual_seed(0)
+    hot = logits[:, :1].expand(1, 64, 4).contiguous()  # the mask leads at every position
+    assert 1 not in predict(hot, [(0, generator, 5.0)], mask_id=1).flatten().tolist()
+
+
+def test_step_outputs_carry_deltas_work_and_the_result(llada_model):
+    engine = Engine.from_model(llada_model, max_batch=4)
+    ids = [engine.add_request([5, 6, 7], DecodeParams(policy=p, gen_length=16, block_length=8, cache="dual"))
+           for p in ("cai", "fixed", "threshold")]
+    streams: dict[str, list[int]] = {i: [] for i in ids}
+    results = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            assert output.fed_tokens > 0 and output.committed >= 0
+            streams[output.request_id].extend(output.new_token_ids)
+            if output.finished:
+                assert output.request_id not in results and output.finish_reason in ("stop", "length")
+                results[output.request_id] = output.result
+    assert set(results) == set(ids)
+    for request_id, result in results.items():
+        end = result.end_index
+        assert streams[request_id] == (result.generated_ids if end is None else result.generated_ids[:end + 1])
+        assert sum(result.stats.tokens_per_step) <= 16
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_batch", [1, 8])
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+def test_streamed_text_equals_the_whole_response(tiny_engine_parts, held_out_prompts, policy, max_batch):
+    """100 held-out prompts: the text a stream sends (the output path fed each step's delta, with a
+    stop string that can straddle deltas) equals the whole response (fed everything at once) and
+    the offline text."""
+    model, tokenizer = tiny_engine_parts
+    engine = Engine.from_model(model, tokenizer, max_batch=max_batch)
+    params = DecodeParams(policy=policy, gen_length=32, block_length=32, steps=16, cache="dual")
+    end_ids = set(model.special.end_ids)
+    streamed: dict[str, ChoiceOutput] = {}
+    sent: dict[str, str] = {}
+    results = {}
+    for i, prompt in enumerate(held_out_prompts):
+        request_id = engine.add_request(prompt, params, f"p{i}")
+        streamed[request_id] = ChoiceOutput(i, request_id, prompt, tokenizer, end_ids, stops=[";="])
+        sent[request_id] = ""
+    while engine.has_unfinished():
+        for output in engine.step():
+            choice = streamed[output.request_id]
+            choice.add(output.new_token_ids)
+            if output.finished:
+                choice.finish(output.result)
+                results[output.request_id] = output.result
+            sent[output.request_id] += choice.take()
+    for request_id, result in results.items():
+        whole = ChoiceOutput(0, request_id, [], tokenizer, end_ids, stops=[";="])
+        whole.add(result.generated_ids)
+        whole.finish(result)
+        assert sent[request_id] == whole.text == whole.take()
+        assert streamed[request_id].finish_reason == whole.finish_reason
+        text = tokenizer.decode(result.response_ids, skip_special_tokens=True)  # the offline text
+        assert text.startswith(whole.text) and (whole.stopped_by_string or text == whole.text)
