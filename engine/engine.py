@@ -127,9 +127,7 @@ class Engine:
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
         """One denoising iteration of every running row (after admitting waiting requests)."""
-        aborted, admitted = self.scheduler.schedule()
-        for request in aborted:
-            self.runner.release(request)
+        _, admitted = self.scheduler.schedule()
         rows = self.scheduler.running
         for request in admitted:
             request.admit(request.slot, self.model.device)
@@ -144,11 +142,7 @@ class Engine:
                                           inputs.in_block, self.model.special.mask_id, self._end_ids)
         self.runner.commit(step_rows, inputs, new_tokens)
         host = summary.tolist()  # the step's one device-to-host transfer
-        outputs = self.scheduler.postprocess(rows, host, inputs.fed_tokens)
-        for request, output in zip(rows, outputs, strict=True):
-            if output.finished:
-                self.runner.release(request)
-        return outputs
+        return self.scheduler.postprocess(rows, host, inputs.fed_tokens)
 
     # ------------------------------------------------------------------ offline batches
 

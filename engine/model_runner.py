@@ -1,16 +1,17 @@
 """The model runner: builds a step's inputs, assembles KV stores and runs the forward passes.
 
-Rows' canvases live in one slot-indexed buffer on the device, so a step gathers its block tokens,
-full-forward inputs and cached-forward inputs with a few batched index operations, whatever the
-number of rows. Each row takes part in exactly one forward per step:
-- full (no cache, a block's first step, or a refresh every f steps): the whole canvas; rows with a
-  cache keep the keys/values it produced, as a reference into that forward's `KVStore`;
-- dual (Fast-dLLM's DualCache): only the row's block; prefix: the block and everything after it.
+Rows' canvases and KV caches live in slot-indexed buffers on the device (one canvas buffer, one
+`KVStore` whose row s is slot s's cache), so a step gathers its block tokens and its inputs with a
+few batched index operations whatever the number of rows, and never allocates or copies a cache.
+Each row takes part in exactly one forward per step:
+- full (no cache, a block's first step, or a refresh every f steps): the whole canvas; its keys and
+  values are written into the row's slot of the store;
+- dual (Fast-dLLM's DualCache): only the row's block; prefix: the block and everything after it;
   Dream also feeds the position before the block, whose output predicts the block's first token.
-Rows that forward together again reuse their store in place; otherwise a store is assembled from
-their rows' stores (a copy, only when the group of rows changes). This is the one place for speed
-tricks; the decisions (engine.decoding.decide) and the bookkeeping (engine.scheduler) never see
-a store.
+  it writes the fed positions into the rows' slots and attends over their caches: a view of the
+  store when the rows are its first slots in order, else each layer reads the rows out of it.
+This is the one place for speed tricks; the decisions (engine.decoding.decide) and the bookkeeping
+(engine.scheduler) never see a store.
 """
 
 from __future__ import annotations
@@ -44,8 +45,18 @@ class ModelRunner:
         self.shift = 1 if model.logits_shifted else 0
         self.mask_id = model.special.mask_id
         self.pad_id = model.special.pad_id
+        self.max_batch = max_batch
         self.canvas = torch.full((max_batch, 1), self.pad_id, dtype=torch.long, device=self.device)
-        self._arange = torch.arange(1, device=self.device)
+        self._arange = torch.arange(2, device=self.device)
+        config = model.config
+        self.store = KVStore.empty(config.num_layers, max_batch, config.num_kv_heads, 2, config.head_dim,
+                                   model.dtype, self.device)
+        self.store.key_mask[:, 0] = True  # a free slot's dummy row still attends to something
+
+    @property
+    def scratch(self) -> int:
+        """The store column that dummy and query-only positions write to (never attended)."""
+        return self.store.width - 1
 
     # ------------------------------------------------------------------------------ slots
 
@@ -57,16 +68,12 @@ class ModelRunner:
             grown = torch.full((self.canvas.shape[0], needed), self.pad_id, dtype=torch.long, device=self.device)
             grown[:, :self.canvas.shape[1]] = self.canvas
             self.canvas = grown
-            self._arange = torch.arange(needed, device=self.device)
+            self._arange = torch.arange(needed + 1, device=self.device)
+        if needed + 1 > self.store.width:
+            self.store = self.store.grown(needed + 1)
         row = torch.tensor([*request.prompt_ids, *([self.mask_id] * request.gen_length)], dtype=torch.long)
         self.canvas[request.slot, :request.length] = row.to(self.device, non_blocking=True)
-
-    @staticmethod
-    def release(request: Request) -> None:
-        request.kv = None
-
-    def canvas_of(self, request: Request) -> torch.Tensor:
-        return self.canvas[request.slot, :request.length]
+        self.store.key_mask[request.slot] = self._arange[:self.store.width] < request.length
 
     # ------------------------------------------------------------------------------ one step
 
@@ -122,7 +129,7 @@ class ModelRunner:
 
     def _forward_full(self, requests: Sequence[Request], fields: torch.Tensor, in_block: torch.Tensor,
                       width: int) -> torch.Tensor:
-        """Every row's whole canvas; rows with a KV cache keep the keys/values it produced."""
+        """Every row's whole canvas; rows with a KV cache write its keys/values into their slot."""
         model = self.model
         length = max(r.length for r in requests)
         slots = fields[:, STEP_FIELDS.index("slot")]
@@ -138,16 +145,12 @@ class ModelRunner:
             key_mask = torch.cat([key_mask, key_mask[index]])
             at = torch.cat([at, at[index]])
         positions = self._arange[:length].expand(ids.shape[0], -1)
+        cache = None
         if any(r.params.cache != "none" for r in requests):
-            config = model.config
-            store = KVStore.empty(config.num_layers, ids.shape[0], config.num_kv_heads, length + 1,
-                                  config.head_dim, model.dtype, self.device)
-            store.key_mask[:, :length] = key_mask
-            logits = model(ids, position_ids=positions, cache=CacheWrite(store, positions), logits_at=at)
-            for b, request in enumerate(requests):
-                request.kv = (store, b) if request.params.cache != "none" else None
-        else:
-            logits = model(ids, attention_mask=key_mask, position_ids=positions, logits_at=at)
+            # a guided row has no cache (cfg needs cache "none"): its unconditional twin may write its slot too
+            rows = torch.cat([slots, slots[index]]) if guided else slots
+            cache = CacheWrite(self.store, positions, rows=rows, attend_to_cache=False)
+        logits = model(ids, attention_mask=key_mask, position_ids=positions, cache=cache, logits_at=at)
         if guided:
             n = len(requests)
             conditional = logits[:n].clone()
@@ -158,60 +161,36 @@ class ModelRunner:
             logits = conditional
         return logits
 
-    def _gather_store(self, requests: Sequence[Request]) -> KVStore:
-        """A store whose row b is requests[b]'s cache, reusing the rows' own store when it matches."""
-        first = requests[0].kv
-        if (first is not None and first[0].batch == len(requests)
-                and all(r.kv is not None and r.kv[0] is first[0] and r.kv[1] == b for b, r in enumerate(requests))):
-            return first[0]
-        model = self.model
-        config = model.config
-        width = max(r.length for r in requests) + 1  # + a scratch column for padded queries
-        store = KVStore.empty(config.num_layers, len(requests), config.num_kv_heads, width, config.head_dim,
-                              model.dtype, self.device)
-        sources: dict[int, tuple[KVStore, list[int], list[int]]] = {}
-        for b, request in enumerate(requests):
-            if request.kv is None:
-                raise RuntimeError("a cached forward needs a full forward first")
-            source, row = request.kv
-            _, dst, src = sources.setdefault(id(source), (source, [], []))
-            dst.append(b)
-            src.append(row)
-        for source, dst, src in sources.values():
-            n = min(source.width, width) - 1
-            dst_index = torch.tensor(dst, dtype=torch.long).to(self.device, non_blocking=True)
-            src_index = torch.tensor(src, dtype=torch.long).to(self.device, non_blocking=True)
-            for layer in range(config.num_layers):
-                store.keys[layer][dst_index, :, :n] = source.keys[layer][src_index, :, :n]
-                store.values[layer][dst_index, :, :n] = source.values[layer][src_index, :, :n]
-            store.key_mask[dst_index, :n] = source.key_mask[src_index, :n]
-        for b, request in enumerate(requests):
-            request.kv = (store, b)
-        return store
-
     def _forward_cached(self, requests: Sequence[Request], fields: torch.Tensor, in_block: torch.Tensor,
                         width: int, through_end: bool) -> torch.Tensor:
         """Feed each row's block (dual) or block and everything after it (prefix); the other
-        positions' keys/values come from the cache."""
-        store = self._gather_store(requests)
-        scratch = store.width - 1
+        positions' keys/values come from the row's slot of the store."""
         shift = self.shift
-        spans = [(r.block_start - shift, r.length if through_end else r.block_start + r.block_length)
-                 for r in requests]
-        query_length = max(end - first for first, end in spans)
+        span = max(r.slot for r in requests) + 1
+        query_length = max((r.length if through_end else r.block_start + r.block_length) - r.block_start + shift
+                           for r in requests)
         first = fields[:, STEP_FIELDS.index("block_start"), None] - shift
         if through_end:
             end = fields[:, STEP_FIELDS.index("length"), None]
         else:
-            end = fields[:, STEP_FIELDS.index("block_start"), None] + fields[:, STEP_FIELDS.index("block_length"), None]
+            end = first + shift + fields[:, STEP_FIELDS.index("block_length"), None]
         j = self._arange[None, :query_length]
         source = first + j
         valid = source < end
-        slots = fields[:, STEP_FIELDS.index("slot"), None]
-        ids = torch.where(valid, self.canvas[slots, source.clamp(max=self.canvas.shape[1] - 1)], self.mask_id)
+        slots = fields[:, STEP_FIELDS.index("slot")]
+        ids = torch.where(valid, self.canvas[slots[:, None], source.clamp(max=self.canvas.shape[1] - 1)],
+                          self.mask_id)
         positions = torch.where(valid, source, 0)
         # The extra position before the block (Dream) is only a query: its cached key/value stay
         # from the last full forward, as every other position outside the fed span.
-        write_index = torch.where(valid & (j >= shift), source, scratch)
+        write_index = torch.where(valid & (j >= shift), source, self.scratch)
         at = torch.where(in_block, self._arange[None, :width], 0)
-        return self.model(ids, position_ids=positions, cache=CacheWrite(store, write_index), logits_at=at)
+        if span == len(requests) and all(r.slot == b for b, r in enumerate(requests)):
+            # the rows are the store's first rows, in order: attend over a view of them
+            store = self.store if span == self.store.batch else KVStore(
+                keys=[k[:span] for k in self.store.keys], values=[v[:span] for v in self.store.values],
+                key_mask=self.store.key_mask[:span])
+            cache = CacheWrite(store, write_index)
+        else:  # each layer reads the rows' caches out of the store (a copy of those rows)
+            cache = CacheWrite(self.store, write_index, rows=slots)
+        return self.model(ids, position_ids=positions, cache=cache, logits_at=at)

@@ -18,7 +18,6 @@ import torch
 from engine.decoding.params import DecodeParams
 from engine.decoding.policies import dream_transfer_fractions
 from engine.decoding.types import GenerationRequest, GenerationResult, RequestStats
-from engine.models.kv_cache import KVStore
 
 FORWARD_FULL, FORWARD_DUAL, FORWARD_PREFIX = "full", "dual", "prefix"
 
@@ -76,7 +75,6 @@ class Request:
         self.generated = [mask_id] * self.gen_length  # host mirror of the canvas after the prompt
         self.emitted = 0  # generated tokens already reported in a StepOutput
         self.end_emitted = False
-        self.kv: Optional[tuple[KVStore, int]] = None  # (store, row) of the forward that last wrote it
         self.generator: Optional[torch.Generator] = None
         self.started = 0.0
         self.stats = RequestStats(fixed_step_budget=self.num_blocks * self.steps_per_block)

@@ -13,6 +13,7 @@ take a lock and never touch a running row. Aborts of running rows take effect at
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
 from collections import deque
@@ -35,7 +36,7 @@ class Scheduler:
         self.max_batch = max_batch
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._free_slots = list(range(max_batch - 1, -1, -1))
+        self._free_slots = list(range(max_batch))  # a heap: rows take the lowest free slot
         self._aborts: set[str] = set()
         self._known: set[str] = set()  # ids of requests waiting or running
         self._lock = threading.Lock()
@@ -88,13 +89,15 @@ class Scheduler:
             admitted = []
             while self.waiting and self._free_slots:
                 request = self.waiting.popleft()
-                request.slot = self._free_slots.pop()
+                request.slot = heapq.heappop(self._free_slots)
                 self.running.append(request)
                 admitted.append(request)
+            if admitted:  # in slot order, so a cached forward over the slots needs no reordering
+                self.running.sort(key=lambda r: r.slot)
         return aborted, admitted
 
     def _release(self, request: Request) -> None:
-        self._free_slots.append(request.slot)
+        heapq.heappush(self._free_slots, request.slot)
         self._known.discard(request.request_id)
 
     def postprocess(self, rows: Sequence[Request], summary: list[list[int]], fed: Sequence[int]) -> list[StepOutput]:
@@ -152,7 +155,6 @@ class Scheduler:
 
     @staticmethod
     def _result(request: Request, reason: str, generated: list[int], end: Optional[int]) -> GenerationResult:
-        request.kv = None
         request.stats.wall_time = time.perf_counter() - request.started
         return GenerationResult(request.request_id, request.prompt_ids, generated, reason, request.stats,
                                 end_index=end)

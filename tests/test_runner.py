@@ -85,7 +85,7 @@ def test_abort_frees_the_row(llada_model):
     assert [o.request_id for o in engine.step()] == ["x", "y"]  # z waits for a free row
     assert engine.num_running == 2 and engine.num_waiting == 1
     assert engine.abort("x")
-    assert [o.request_id for o in engine.step()] == ["y", "z"]  # x left, z took its row
+    assert {o.request_id for o in engine.step()} == {"y", "z"}  # x left, z took its row
     assert engine.abort("z") and engine.abort("y")
     assert engine.step() == [] and not engine.has_unfinished()
     assert not engine.abort("nope")

@@ -5,11 +5,16 @@ so a stored key never needs its position again) and a key mask [B, width] (True 
 A forward pass given a store and a `write_index` [B, Lq] writes the keys/values of its Lq input
 tokens into those columns, then lets its queries attend over all columns of the store. A full
 forward writes every column; a block forward (Fast-dLLM's DualCache) rewrites only the block.
+
+The engine keeps one store for all its slots: a full forward of some rows writes their keys and
+values into those rows of the store (`rows`) and attends only to what it computed itself
+(`attend_to_cache=False`), so no per-step store is ever allocated or copied.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -28,6 +33,16 @@ class KVStore:
                    values=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
                    key_mask=torch.zeros(batch, width, dtype=torch.bool, device=device))
 
+    def grown(self, width: int) -> KVStore:
+        """The same contents in a store `width` columns wide."""
+        old = self.width
+        bigger = KVStore.empty(len(self.keys), self.batch, self.keys[0].shape[1], width, self.keys[0].shape[3],
+                               self.keys[0].dtype, self.keys[0].device)
+        for new, cur in zip(bigger.keys + bigger.values, self.keys + self.values, strict=True):
+            new[:, :, :old] = cur
+        bigger.key_mask[:, :old] = self.key_mask
+        return bigger
+
     @property
     def batch(self) -> int:
         return self.key_mask.shape[0]
@@ -39,10 +54,15 @@ class KVStore:
 
 @dataclass
 class CacheWrite:
-    """Where the current forward's tokens go in `store`: column `write_index[b, i]` for token i."""
+    """Where the current forward's tokens go in `store`: column `write_index[b, i]` of store row
+    `rows[b]` (row b when `rows` is None) for token i of input row b. With `attend_to_cache`, the
+    queries of row b attend over the columns of store row `rows[b]`; without, over this forward's
+    own keys and values."""
 
     store: KVStore
     write_index: torch.Tensor  # [B, Lq] long
+    rows: Optional[torch.Tensor] = None  # [B] long
+    attend_to_cache: bool = True
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.store.keys[i], self.store.values[i]

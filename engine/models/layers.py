@@ -14,6 +14,9 @@ from torch import nn
 from engine.models.attention import AttentionFn, sdpa_attention
 from engine.models.config import ModelConfig
 
+# (keys, values, write_index, rows or None, attend to the cache): one layer's share of a CacheWrite
+LayerCache = tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], bool]
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -72,13 +75,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return x * cos + _rotate_half(x) * sin
 
 
-def write_kv(store: torch.Tensor, new: torch.Tensor, write_index: torch.Tensor) -> None:
-    """store[b, :, write_index[b, i]] = new[b, :, i] for store [B, heads, width, dim] and new
-    [B, heads, L, dim]. Indexed assignment through a [B, width, heads, dim] view rather than
-    scatter_ along the width: the same writes, 3.5-6x faster on CPU, where scatter_ was a tenth of
-    a cached decoding step (bench/kv_write.py)."""
-    rows = torch.arange(store.shape[0], device=write_index.device)[:, None]
-    store.transpose(1, 2)[rows, write_index] = new.transpose(1, 2)
+def write_kv(store: torch.Tensor, new: torch.Tensor, write_index: torch.Tensor,
+             rows: Optional[torch.Tensor] = None) -> None:
+    """store[rows[b], :, write_index[b, i]] = new[b, :, i] for store [S, heads, width, dim] and new
+    [B, heads, L, dim] (rows[b] = b when None). Indexed assignment through a [S, width, heads, dim]
+    view rather than scatter_ along the width: the same writes, 3.5-6x faster on CPU, where scatter_
+    was a tenth of a cached decoding step (bench/kv_write.py)."""
+    if rows is None:
+        rows = torch.arange(new.shape[0], device=write_index.device)
+    store.transpose(1, 2)[rows[:, None], write_index] = new.transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -96,9 +101,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 key_mask: Optional[torch.Tensor],
-                cache: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        """`cache` = (keys, values, write_index): this forward's k/v are written into the cache
-        columns `write_index` and the queries attend over the whole cache."""
+                cache: Optional[LayerCache] = None) -> torch.Tensor:
+        """With `cache`, this forward's k/v are written into the cache (see `CacheWrite`) and, when
+        it says so, the queries attend over the whole cache."""
         batch, length, _ = x.shape
         q, k, v = self.qkv_proj(x).split(
             [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
@@ -109,10 +114,11 @@ class Attention(nn.Module):
         q = apply_rotary(q, cos, sin, self.rope_in_float32)
         k = apply_rotary(k, cos, sin, self.rope_in_float32)
         if cache is not None:
-            cache_k, cache_v, write_index = cache
-            write_kv(cache_k, k, write_index)
-            write_kv(cache_v, v, write_index)
-            k, v = cache_k, cache_v
+            cache_k, cache_v, write_index, rows, attend_to_cache = cache
+            write_kv(cache_k, k, write_index, rows)
+            write_kv(cache_v, v, write_index, rows)
+            if attend_to_cache:  # the cache rows of this forward's inputs
+                k, v = (cache_k, cache_v) if rows is None else (cache_k[rows], cache_v[rows])
         out = self.kernel(q, k, v, key_mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
@@ -140,6 +146,6 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 key_mask: Optional[torch.Tensor],
-                cache: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                cache: Optional[LayerCache] = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, key_mask, cache)
         return x + self.mlp(self.mlp_norm(x))

@@ -78,16 +78,19 @@ class DiffusionTransformer(nn.Module):
         """Raw logits [B, L, vocab], or [B, K, vocab] at the input positions `logits_at` [B, K].
 
         With `cache`, the inputs' keys/values are written into the cache store and attention runs
-        over the store's columns, masked by `cache.store.key_mask` (`attention_mask` must be None).
+        over the store's columns, masked by `cache.store.key_mask` (`attention_mask` must be None),
+        or, when `cache.attend_to_cache` is False, over the inputs themselves, masked by
+        `attention_mask`.
         If `hidden_states_out` is a list, the input of every layer and the normed final state are
         appended to it (Hugging Face's `output_hidden_states` order)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
         key_mask = None
-        if cache is not None:
+        if cache is not None and cache.attend_to_cache:
             if attention_mask is not None:
                 raise ValueError("with a cache, the key mask comes from the cache store")
-            key_mask = cache.store.key_mask[:, None, None, :]
+            store_mask = cache.store.key_mask if cache.rows is None else cache.store.key_mask[cache.rows]
+            key_mask = store_mask[:, None, None, :]
         elif attention_mask is not None:
             if attention_mask.shape != input_ids.shape:
                 raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} does not match "
@@ -102,7 +105,8 @@ class DiffusionTransformer(nn.Module):
         for i, layer in enumerate(self.layers):
             if hidden_states_out is not None:
                 hidden_states_out.append(x)
-            layer_cache = None if cache is None else (*cache.layer(i), cache.write_index)
+            layer_cache = None if cache is None else (*cache.layer(i), cache.write_index, cache.rows,
+                                                      cache.attend_to_cache)
             x = layer(x, cos, sin, key_mask, layer_cache)
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
