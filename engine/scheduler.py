@@ -24,7 +24,7 @@ from engine.decoding.decide import SUMMARY_COLUMNS
 from engine.decoding.types import FINISH_LENGTH, FINISH_STOP, GenerationResult
 from engine.request import Request, StepOutput
 
-_COMMITTED, _STILL_MASKED, _FORCED, _GRINDING, _END_POS, _BAND_HIGH, _BAND_MID, _BAND_LOW, _FIRST_MASKED = range(
+_COMMITTED, _STILL_MASKED, _FORCED, _GRINDING, _END_POS, _BAND_HIGH, _BAND_LOW, _FIRST_MASKED = range(
     len(SUMMARY_COLUMNS))
 _TOKENS = len(SUMMARY_COLUMNS)
 
@@ -106,7 +106,7 @@ class Scheduler:
         finished: list[Request] = []
         for request, info, fed_tokens in zip(rows, summary, fed, strict=True):
             # generated tokens that can no longer change: no mask before them
-            stable = request.block_start - request.prompt_len + info[_FIRST_MASKED]
+            stable = request.block_start - request.prompt_len + min(info[_FIRST_MASKED], request.block_length)
             result = self._advance(request, info)
             if result is not None:
                 stable = len(result.generated_ids)
@@ -131,13 +131,13 @@ class Scheduler:
         stats.tokens_per_step.append(info[_COMMITTED])
         stats.forced_commits += info[_FORCED]
         stats.grinding_exits += info[_GRINDING]
-        if request.step == 0:
+        if request.step == 0:  # every position of the block was a candidate
             bands = stats.first_step_confidence_bands
             bands[0] += info[_BAND_HIGH]
-            bands[1] += info[_BAND_MID]
+            bands[1] += request.masked_now - info[_BAND_HIGH] - info[_BAND_LOW]
             bands[2] += info[_BAND_LOW]
         request.masked_now = info[_STILL_MASKED]
-        if request.params.early_exit and info[_END_POS] >= 0:
+        if request.params.early_exit and info[_END_POS] < width:
             stats.steps_per_block.append(request.step + 1)
             end = offset + info[_END_POS]
             return self._result(request, FINISH_STOP, request.generated[:end + 1], end)

@@ -36,8 +36,9 @@ from engine.request import Request
 # Float and integer knobs of a request, one slot row each; booleans are stored as 0/1 integers.
 _FLOAT_KNOBS = ("theta_s", "theta_e", "warmup", "block_decay", "eta", "eta_denominator", "theta_fb", "threshold",
                 "top_p")
-_INT_KNOBS = ("block_schedule", "stretch", "position_factors", "budgets", "grinding", "patience", "grinding_fill",
-              "min_commit", "top_k", "steps_per_block", "num_blocks", "block_length", "family", "conf_kind")
+_INT_KNOBS = ("patience", "min_commit", "top_k", "steps_per_block", "num_blocks", "block_length", "family",
+              "conf_kind")
+_BOOL_KNOBS = ("block_schedule", "stretch", "position_factors", "budgets", "grinding", "grinding_fill")
 
 
 def _float_knobs(request: Request) -> list[float]:
@@ -49,12 +50,16 @@ def _float_knobs(request: Request) -> list[float]:
 
 def _int_knobs(request: Request) -> list[int]:
     p = request.params
-    gating = p.gating_on
     policy = POLICIES[p.policy]
-    return [int(p.block_schedule), int(p.block_schedule_mode == "stretch"), int(p.position_factors),
-            int(p.budgets and gating), int(p.grinding and gating), p.patience, int(p.grinding_exit == "fill"),
-            p.min_commit, p.top_k or 0, request.steps_per_block, request.num_blocks, request.block_length,
-            policy.family, policy.conf_kind]
+    return [p.patience, p.min_commit, p.top_k or 0, request.steps_per_block, request.num_blocks,
+            request.block_length, policy.family, policy.conf_kind]
+
+
+def _bool_knobs(request: Request) -> list[bool]:
+    p = request.params
+    gating = p.gating_on
+    return [p.block_schedule, p.block_schedule_mode == "stretch", p.position_factors, p.budgets and gating,
+            p.grinding and gating, p.grinding_exit == "fill"]
 
 
 # Per-step values that change as a row advances, sent to the device as one [B, k] tensor.
@@ -83,6 +88,7 @@ class Batch:
     quota: torch.Tensor
     f: dict[str, torch.Tensor]  # float knobs by name
     i: dict[str, torch.Tensor]  # integer knobs by name
+    b: dict[str, torch.Tensor]  # boolean knobs by name
     first_conf: torch.Tensor  # [B, W] Box 2's s_i as stored so far
     low_yield: torch.Tensor  # [B]
 
@@ -112,14 +118,13 @@ def decide_threshold(batch: Batch) -> Decision:
 
 def decide_cai(batch: Batch) -> Decision:
     """CAI, Algorithm 1 (policies.cai_step)."""
-    f, i = batch.f, batch.i
+    f, i, b = batch.f, batch.i, batch.b
     first_conf = P.box2_first_step_confidence(batch.conf, batch.first_conf, batch.step)
     knobs = P.CaiKnobs(theta_s=f["theta_s"], theta_e=f["theta_e"], warmup=f["warmup"],
-                       block_schedule=i["block_schedule"] > 0, block_decay=f["block_decay"],
-                       stretch=i["stretch"] > 0, position_factors=i["position_factors"] > 0,
-                       budgets=i["budgets"] > 0, grinding=i["grinding"] > 0, eta=f["eta"],
-                       eta_denominator=f["eta_denominator"], patience=i["patience"], theta_fb=f["theta_fb"],
-                       grinding_fill=i["grinding_fill"] > 0, min_commit=i["min_commit"])
+                       block_schedule=b["block_schedule"], block_decay=f["block_decay"], stretch=b["stretch"],
+                       position_factors=b["position_factors"], budgets=b["budgets"], grinding=b["grinding"],
+                       eta=f["eta"], eta_denominator=f["eta_denominator"], patience=i["patience"],
+                       theta_fb=f["theta_fb"], grinding_fill=b["grinding_fill"], min_commit=i["min_commit"])
     out = P.cai_step(batch.conf, batch.candidates, batch.step, i["steps_per_block"], batch.block, i["num_blocks"],
                      i["block_length"], P.CaiState(first_conf=first_conf, low_yield=batch.low_yield), knobs)
     return Decision(out.commit, out.forced, first_conf, out.low_yield, out.grinding_exit)
@@ -142,8 +147,9 @@ POLICIES: dict[str, Policy] = {
 }
 
 # Summary columns before the block's tokens.
-SUMMARY_COLUMNS = ("committed", "still_masked", "forced", "grinding_exit", "end_pos", "band_high", "band_mid",
-                   "band_low", "first_masked")
+# end_pos and first_masked are the block width when there is none.
+SUMMARY_COLUMNS = ("committed", "still_masked", "forced", "grinding_exit", "end_pos", "band_high", "band_low",
+                   "first_masked")
 
 
 class DecodeState:
@@ -154,6 +160,7 @@ class DecodeState:
         self.width = 1
         self.knobs_f = torch.zeros(max_batch, len(_FLOAT_KNOBS), device=device)
         self.knobs_i = torch.zeros(max_batch, len(_INT_KNOBS), dtype=torch.long, device=device)
+        self.knobs_b = torch.zeros(max_batch, len(_BOOL_KNOBS), dtype=torch.bool, device=device)
         self.first_conf = torch.zeros(max_batch, self.width, device=device)
         self.low_yield = torch.zeros(max_batch, dtype=torch.long, device=device)
 
@@ -166,6 +173,7 @@ class DecodeState:
         slot = request.slot
         self.knobs_f[slot] = torch.tensor(_float_knobs(request), dtype=torch.float32).to(self.device)
         self.knobs_i[slot] = torch.tensor(_int_knobs(request), dtype=torch.long).to(self.device)
+        self.knobs_b[slot] = torch.tensor(_bool_knobs(request), dtype=torch.bool).to(self.device)
         self.low_yield[slot] = 0
 
 
@@ -205,6 +213,7 @@ def decide_step(state: DecodeState, rows: StepRows, logits: torch.Tensor, block_
     f_all, i_all = state.knobs_f[slots], state.knobs_i[slots]
     f = dict(zip(_FLOAT_KNOBS, f_all.unbind(1), strict=True))
     i = dict(zip(_INT_KNOBS, i_all.unbind(1), strict=True))
+    b = dict(zip(_BOOL_KNOBS, state.knobs_b[slots].unbind(1), strict=True))
     if rows.max_top_k > 0 or rows.any_top_p:
         logits = filter_top_k_top_p(logits, i["top_k"], f["top_p"], max_top_k=rows.max_top_k,
                                     any_top_p=rows.any_top_p)
@@ -214,7 +223,7 @@ def decide_step(state: DecodeState, rows: StepRows, logits: torch.Tensor, block_
     candidates = (block_tokens == mask_id) & in_block
     width = block_tokens.shape[1]
     batch = Batch(conf=conf, candidates=candidates, step=rows.column("step"), block=rows.column("block"),
-                  quota=rows.column("quota"), f=f, i=i, first_conf=state.first_conf[slots, :width],
+                  quota=rows.column("quota"), f=f, i=i, b=b, first_conf=state.first_conf[slots, :width],
                   low_yield=state.low_yield[slots])
 
     commit = torch.zeros_like(candidates)
@@ -247,16 +256,15 @@ def decide_step(state: DecodeState, rows: StepRows, logits: torch.Tensor, block_
 
     new_tokens = torch.where(commit, x0, block_tokens)
     still_masked = (new_tokens == mask_id) & in_block
-    is_end = torch.isin(new_tokens, end_ids) & in_block
-    clear_before = still_masked.int().cumsum(dim=1) == 0
-    hit = is_end & clear_before
-    none = torch.full_like(batch.step, -1)
-    end_pos = torch.where(hit.any(dim=1), hit.int().argmax(dim=1), none)
-    bands = torch.stack([candidates & (conf > P.CONF_HIGH),
-                         candidates & (conf >= P.CONF_LOW) & (conf <= P.CONF_HIGH),
-                         candidates & (conf < P.CONF_LOW)], dim=1).sum(dim=2)
-    first_masked = torch.where(still_masked.any(dim=1), still_masked.int().argmax(dim=1), i["block_length"])
+    position = torch.arange(width, device=conf.device)
+    beyond = torch.full_like(still_masked, width, dtype=torch.long)
+    # first still-masked position, and first end token with no mask before it (width: none)
+    first_masked = torch.where(still_masked, position, beyond).amin(dim=1)
+    is_end = torch.isin(new_tokens, end_ids) & in_block & (position < first_masked[:, None])
+    end_pos = torch.where(is_end, position, beyond).amin(dim=1)
+    # first-step confidence bands: above 0.5 and below 0.25 (the host derives the middle band)
+    high = (candidates & (conf > P.CONF_HIGH)).sum(dim=1)
+    low = (candidates & (conf < P.CONF_LOW)).sum(dim=1)
     summary = torch.cat([torch.stack([commit.sum(dim=1), still_masked.sum(dim=1), forced.sum(dim=1),
-                                      grinding.long(), end_pos], dim=1), bands, first_masked[:, None],
-                         new_tokens], dim=1)
+                                      grinding.long(), end_pos, high, low, first_masked], dim=1), new_tokens], dim=1)
     return new_tokens, summary

@@ -52,6 +52,13 @@ def commit_best(score: torch.Tensor, candidates: torch.Tensor, quota: torch.Tens
     return candidates & (rank_in_row(score, candidates) < quota[:, None])
 
 
+def best_candidate(score: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """The best candidate of each row (the first on ties, as `commit_best` with a quota of 1); none
+    in a row without candidates. One argmax instead of two sorts."""
+    best = score.masked_fill(~candidates, NEG_INF).argmax(dim=-1, keepdim=True)
+    return torch.zeros_like(candidates).scatter_(1, best, True) & candidates
+
+
 def fixed_quota(masked_at_block_start: torch.Tensor, steps_per_block: torch.Tensor,
                 step: torch.Tensor) -> torch.Tensor:
     """LLaDA `get_num_transfer_tokens`: M // s per step, the first M % s steps one more."""
@@ -77,7 +84,7 @@ def threshold_commit(conf: torch.Tensor, candidates: torch.Tensor, threshold: to
     """Fast-dLLM `get_transfer_index` with a threshold: conf >= threshold, plus the best candidate
     when `min_commit` is 1 (Fast-dLLM always commits it)."""
     commit = candidates & (conf >= threshold[:, None])
-    best = commit_best(conf, candidates, torch.ones_like(threshold, dtype=torch.long))
+    best = best_candidate(conf, candidates)
     return commit | (best & (min_commit[:, None] > 0))
 
 
@@ -110,6 +117,17 @@ def box3_adaptive_threshold(step: torch.Tensor, steps_per_block: torch.Tensor, t
     return torch.where(t < warm, theta_s, relaxed)
 
 
+_CONSTANTS: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _constant(name: str, values: tuple, device: torch.device) -> torch.Tensor:
+    """A paper constant as a tensor on `device`, made once (a step would otherwise rebuild it)."""
+    key = (name, device)
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = torch.tensor(values, device=device)
+    return _CONSTANTS[key]
+
+
 def block_quarter(width: int, block_length: torch.Tensor) -> torch.Tensor:
     """Quarter (0..3) of each position p inside its block: the paper's 16/32/48 boundaries for a
     64-token block, scaled to the block length (DECISION)."""
@@ -119,7 +137,7 @@ def block_quarter(width: int, block_length: torch.Tensor) -> torch.Tensor:
 
 def box6_position_thresholds(theta_block: torch.Tensor, quarter: torch.Tensor, enabled: torch.Tensor) -> torch.Tensor:
     """Box 6: theta_i = clip(theta_b * r_pos(i), 0.20, 0.98); theta_b itself when disabled."""
-    factors = torch.tensor(POSITION_FACTORS, device=quarter.device)[quarter]
+    factors = _constant("position_factors", POSITION_FACTORS, quarter.device)[quarter]
     low, high = TOKEN_THRESHOLD_CLIP
     positional = (theta_block[:, None] * factors).clamp(low, high)
     return torch.where(enabled[:, None], positional, theta_block[:, None])
@@ -127,7 +145,7 @@ def box6_position_thresholds(theta_block: torch.Tensor, quarter: torch.Tensor, e
 
 def budget_levels(steps_per_block: torch.Tensor) -> torch.Tensor:
     """Box 5's 8/32/64-step budgets scaled to the steps per block (DECISION), at least 1: [B, 3]."""
-    scaled = torch.tensor(BUDGET_STEPS, device=steps_per_block.device)[None, :] * steps_per_block[:, None]
+    scaled = _constant("budget_steps", BUDGET_STEPS, steps_per_block.device)[None, :] * steps_per_block[:, None]
     return torch.div(scaled, PAPER_STEPS_PER_BLOCK, rounding_mode="floor").clamp(min=1)
 
 
@@ -224,7 +242,7 @@ def cai_step(conf: torch.Tensor, candidates: torch.Tensor, step: torch.Tensor, s
     # DECISION (a step that commits nothing): with min_commit=1 the best candidate is committed, as
     # in Fast-dLLM, so every forward makes progress; min_commit=0 follows Algorithm 1 literally.
     nothing = ~commit.any(dim=1) & candidates.any(dim=1) & (knobs.min_commit > 0)
-    best = commit_best(conf, candidates, torch.ones_like(step))
+    best = best_candidate(conf, candidates)
     commit = commit | (best & nothing[:, None])
 
     low_yield, grinding_exit = box7_grinding_phase_detector(commit.sum(dim=1), state.low_yield, knobs.eta,
