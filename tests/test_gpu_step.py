@@ -1,0 +1,142 @@
+"""bench/gpu_step.py: it runs end to end at tiny shapes on CPU, and its FLOP and byte counts match
+a case counted by hand."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.models.dream import DreamModel
+from engine.models.llada import LLaDAModel
+from engine.models.registry import model_class_for
+from engine.special_tokens import SpecialTokens
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("gpu_step", ROOT / "bench" / "gpu_step.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_step"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_step = _load_bench()
+
+# hidden 8, 1 layer, 2 heads of 4, SwiGLU 16, vocabulary 32.
+# LLaDA, untied, no biases: qkv 8*24 + o 8*8 + gate|up 8*32 + down 16*8 + 2 norms 8 + final norm 8 = 664.
+LLADA_DIMS = gpu_step.ModelDims(body_params=664, head_params=32 * 8, hidden_size=8, q_size=8, kv_size=8,
+                                num_layers=1, shift=0, elem_bytes=4)
+# Dream, 1 KV head of 4 (GQA), q/k/v biases: qkv 8*16 + 16 + o 64 + mlp 384 + norms 24 = 616.
+DREAM_DIMS = gpu_step.ModelDims(body_params=616, head_params=32 * 8, hidden_size=8, q_size=8, kv_size=4,
+                                num_layers=1, shift=1, elem_bytes=2)
+
+
+def _tiny_model(cls, hf: dict):
+    special = SpecialTokens(mask_id=31, eos_ids=(30,), pad_id=30)
+    return cls(cls.parse_config(hf), special, hf).to(torch.bfloat16 if cls is DreamModel else torch.float32)
+
+
+def test_model_dims_count_parameters_as_by_hand():
+    llada = _tiny_model(LLaDAModel, {
+        "d_model": 8, "n_layers": 1, "n_heads": 2, "n_kv_heads": 2, "mlp_hidden_size": 16, "vocab_size": 32,
+        "block_type": "llama", "activation_type": "silu", "layer_norm_type": "rms", "rope": True})
+    dream = _tiny_model(DreamModel, {
+        "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "intermediate_size": 16, "vocab_size": 32})
+    assert gpu_step.ModelDims.of(llada) == LLADA_DIMS
+    assert gpu_step.ModelDims.of(dream) == DREAM_DIMS
+
+
+def test_real_shapes_have_the_released_parameter_count(fixtures: Path):
+    # Built on the meta device: no memory. The index files give the bf16 checkpoints' total size.
+    for name in gpu_step.MODELS:
+        spec = gpu_step.model_spec(name, "real", fixtures / "real")
+        cls = model_class_for(spec.hf_config)
+        with torch.device("meta"):
+            model = cls(cls.parse_config(spec.hf_config), spec.checkpoint.special_tokens(), spec.hf_config)
+        dims = gpu_step.ModelDims.of(model.to(torch.bfloat16))
+        index = json.loads((spec.checkpoint.path / "model.safetensors.index.json").read_text())
+        embed = model.embed.weight.numel()
+        assert (dims.body_params + dims.head_params + embed) * 2 == index["metadata"]["total_size"]
+
+
+def test_flops_and_bytes_by_hand():
+    # prompt 8 + gen 8 (canvas 16), block 4, first block (starts at 8), batch 2, LLaDA.
+    def shape(cache, kind, dims=LLADA_DIMS, batch=2):
+        return gpu_step.step_shape(dims, batch, cache, kind, prompt_len=8, gen_len=8, block=4, block_start=8)
+
+    full = shape("none", "full")
+    assert (full.fed_tokens, full.keys, full.logits, full.kv_read) == (32, 16, 4, 0)
+    # body 2*664*32 + head at 8 logit positions 2*256*8 + attention 4*32 queries*16 keys*8*1 layer
+    assert gpu_step.step_flops(LLADA_DIMS, full) == 42496 + 4096 + 16384
+    # (body + head + 32 looked-up embedding rows of 8) * 4 bytes; no cache
+    assert gpu_step.step_bytes(LLADA_DIMS, full) == (664 + 256 + 256) * 4
+
+    dual = shape("dual", "cached")
+    assert dual.fed_tokens == 8
+    assert gpu_step.step_flops(LLADA_DIMS, dual) == 2 * 664 * 8 + 4096 + 4 * 8 * 16 * 8
+    # + keys and values of 16 columns x 2 rows x 8 wide x 1 layer x 4 bytes
+    assert gpu_step.step_bytes(LLADA_DIMS, dual) == (664 + 256 + 8 * 8) * 4 + 2 * 2 * 16 * 8 * 4
+
+    assert shape("prefix", "cached").fed_tokens == 2 * 8  # block start to the end of the canvas
+    assert shape("prefix", "full").fed_tokens == shape("dual", "full").fed_tokens == 32
+    with pytest.raises(ValueError):
+        shape("none", "cached")
+
+    # Dream feeds the position before the block too: 4 + 1 tokens, still 4 logit positions.
+    dream_dual = shape("dual", "cached", DREAM_DIMS, batch=1)
+    assert dream_dual.fed_tokens == 5
+    assert shape("prefix", "cached", DREAM_DIMS, batch=1).fed_tokens == 9
+    assert gpu_step.step_flops(DREAM_DIMS, dream_dual) == 2 * 616 * 5 + 2 * 256 * 4 + 4 * 5 * 16 * 8
+    assert gpu_step.step_bytes(DREAM_DIMS, dream_dual) == (616 + 256 + 5 * 8) * 2 + 2 * 16 * 4 * 2
+
+
+def test_prompt_ids_stay_below_every_special_and_added_id(fixtures: Path):
+    for name in gpu_step.MODELS:
+        spec = gpu_step.model_spec(name, "tiny", fixtures / "real")
+        special = spec.checkpoint.special_tokens()
+        assert spec.token_limit <= min(special.mask_id, special.pad_id, *special.eos_ids)
+        prompts = gpu_step.random_prompts(2, 64, spec.token_limit, seed=0)
+        assert max(max(p) for p in prompts) < spec.token_limit
+
+
+def test_tiny_cpu_run_prints_every_row(capsys, fixtures: Path):
+    gpu_step.main(["--real-dir", str(fixtures / "real"), "--shapes", "tiny", "--device", "cpu",
+                   "--dtype", "float32", "--prompt-len", "16", "--gen-len", "32", "--block", "8",
+                   "--batches", "1", "2", "--repeats", "2",
+                   "--cached-steps", "2", "--copy-mib", "16", "--matmul-n", "256",
+                   # one thread: a shared CI core is not slowed tenfold by threads waiting on each other
+                   "--threads", "1"])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith("# command: python bench/gpu_step.py --real-dir ")
+    assert any("sdpa only" in line for line in lines if line.startswith("# device:"))
+    assert not [line for line in lines if "warning" in line]
+    header, *rows = [line.split() for line in lines if not line.startswith("#")]
+    assert tuple(header) == gpu_step.COLUMNS
+    seen = set()
+    for row in rows:
+        cells = dict(zip(header, row, strict=True))
+        key = (cells["model"], int(cells["batch"]), cells["cache"], cells["step"])
+        assert key not in seen
+        seen.add(key)
+        for column in ("step_ms", "tok_per_s", "mem_floor_ms", "comp_floor_ms", "floor_ms", "step/floor"):
+            value = float(cells[column])
+            assert math.isfinite(value) and value > 0, (key, column, value)
+        fed = int(cells["fed_tok"])
+        shift = 1 if cells["model"] == "dream" else 0
+        batch = int(cells["batch"])
+        expected = {"full": 48, "dual": 8 + shift, "prefix": 32 + shift}
+        assert fed == batch * expected["full" if cells["step"] == "full" else cells["cache"]], key
+    want = {(m, b, c, k) for m in ("llada", "dream") for b in (1, 2)
+            for c, kinds in (("none", ("full",)), ("prefix", ("full", "cached")), ("dual", ("full", "cached")))
+            for k in kinds}
+    assert seen == want
