@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine import Engine, EngineConfig
+from engine import Engine
 from server import openapi
 from server.energy import EnergyMeter, open_meter
 from server.errors import APIError, error_response
@@ -51,8 +51,7 @@ def package_version() -> str:
 
 
 def _load_engine(settings: ServerSettings) -> Engine:
-    return Engine(EngineConfig(model=settings.model, device=settings.device, dtype=settings.dtype,
-                               max_batch=settings.max_batch))
+    return Engine(settings.engine)
 
 
 class AppState:

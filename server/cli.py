@@ -43,6 +43,49 @@ def _decode_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in field_types() if getattr(args, name) is not None}
 
 
+def _shown(value: Any) -> str:
+    return str(value).replace("%", "%%")  # help strings are %-formatted
+
+
+def _engine_flag_options() -> dict[str, dict[str, Any]]:
+    """The EngineConfig flags every command that loads a model shares (but for their defaults)."""
+    from engine.devices import DTYPE_NAMES
+
+    canonical: dict[Any, str] = {}  # torch dtype -> its first name
+    for name, torch_dtype in DTYPE_NAMES.items():
+        canonical.setdefault(torch_dtype, name)
+    aliases = [name for name in DTYPE_NAMES if name not in canonical.values()]
+    return {"device": {"help": "cpu, cuda or cuda:N"},
+            "dtype": {"type": str.lower, "choices": tuple(DTYPE_NAMES),
+                      "metavar": "{" + ",".join(canonical.values()) + "}",
+                      "help": f"weights and activations; aliases: {', '.join(aliases)}"},
+            "max_batch": {"type": int, "help": "rows decoded together per step"}}
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser, names: tuple[str, ...], **dests: str) -> None:
+    """Offline commands: `--<name>` with the engine's default (from `server.settings`, as `serve`'s).
+    `dests` renames a flag: {setting name: flag name}."""
+    from server.settings import setting_default
+
+    options = _engine_flag_options()
+    for name in names:
+        flag = dests.get(name, name)
+        extra = dict(options[name])
+        extra["help"] += " (default: %(default)s)"
+        parser.add_argument("--" + flag.replace("_", "-"), dest=flag, default=setting_default(name), **extra)
+
+
+def _add_setting(parser: Any, name: str, *aliases: str, unset: str = "", **options: Any) -> None:
+    """A `serve` flag: None when not given, so that CAI_DLLM_<NAME> applies; the help shows the value
+    the setting takes when neither gives one (`unset` words it when that value is empty)."""
+    from server.settings import setting_default
+
+    default = setting_default(name)
+    shown = unset if unset and default in (None, {}) else _shown(default)
+    options["help"] = f"{options.get('help', '')} (default: {shown})".lstrip()
+    parser.add_argument("--" + name.replace("_", "-"), *aliases, dest=name, default=None, **options)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from engine import CheckpointError, DeviceError, RequestError, load_model, load_tokenizer
     from engine.chat import chat_prompt_ids
@@ -141,18 +184,9 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from server.app import create_app, drain
-    from server.settings import load_settings
+    from server.settings import load_settings, setting_names
 
-    flags = {name: getattr(args, name) for name in (
-        "model", "served_model_name", "host", "port", "device", "dtype", "max_batch", "max_queue", "max_model_len",
-        "max_n", "api_key", "request_timeout", "shutdown_timeout", "stall_timeout", "admission_wait_ms",
-        "log_level")}
-    if args.default_decoding is not None:
-        try:
-            flags["default_decoding"] = json.loads(args.default_decoding)
-        except json.JSONDecodeError as err:
-            print(f"error: --default-decoding is not valid JSON: {err}", file=sys.stderr)
-            return 2
+    flags = {name: getattr(args, name, None) for name in setting_names()}  # a few are variables only
     try:
         settings = load_settings(flags)
         from engine.decoding import DecodeParams
@@ -232,9 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     gen.add_argument("--prompt-ids", action="append", help="comma-separated prompt token ids (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap each --prompt as a user turn of the chat template")
-    gen.add_argument("--device", default="cpu")
-    gen.add_argument("--dtype", default="float32")
-    gen.add_argument("--max-batch", type=int, default=8)
+    _add_engine_flags(gen, ("device", "dtype", "max_batch"))
     gen.add_argument("--json", action="store_true", help="print one JSON object per request")
     _add_decode_flags(gen)
     gen.set_defaults(func=_generate)
@@ -243,37 +275,44 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--model", required=True, help="a built-in model directory (models/llada-tiny, ...)")
     ev.add_argument("--n", type=int, default=200, help="held-out problems")
     ev.add_argument("--seed", type=int, default=0)
-    ev.add_argument("--batch-size", type=int, default=8)
+    _add_engine_flags(ev, ("max_batch",), max_batch="batch_size")
     ev.add_argument("--configs", help="';'-separated configuration names, or JSON objects of decoding knobs")
     ev.add_argument("--gen-length", type=int, default=128)
     ev.add_argument("--block-length", type=int, default=32)
-    ev.add_argument("--device", default="cpu")
-    ev.add_argument("--dtype", default="float32")
+    _add_engine_flags(ev, ("device", "dtype"))
     ev.add_argument("--json", help="also write the full report to this file")
     ev.set_defaults(func=_eval)
 
-    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the bundled llada-tiny on CPU)",
-                        description="Every option can also be set as CAI_DLLM_<OPTION> in the environment.")
-    sv.add_argument("--model", help="local checkpoint directory (default: the bundled models/llada-tiny)")
-    sv.add_argument("--served-model-name", help="the model id clients send (default: the directory name)")
-    sv.add_argument("--host")
-    sv.add_argument("--port", type=int)
-    sv.add_argument("--device")
-    sv.add_argument("--dtype")
-    sv.add_argument("--max-batch", type=int, help="rows decoded together per step (default 8)")
-    sv.add_argument("--max-queue", type=int, help="requests waiting for a row before 429 (default 64)")
-    sv.add_argument("--max-model-len", type=int, help="prompt + canvas limit (default: the model's context)")
-    sv.add_argument("--max-n", type=int, help="completions per request, n x prompts (default 16)")
-    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
-    sv.add_argument("--default-decoding", help="JSON object of default decoding knobs, e.g. '{\"cache\": \"dual\"}'")
-    sv.add_argument("--request-timeout", type=float, help="seconds (default 600)")
-    sv.add_argument("--shutdown-timeout", type=float, help="seconds to finish in-flight work on SIGTERM (default 30)")
-    sv.add_argument("--stall-timeout", type=float, help="/health fails after this many seconds without progress")
-    sv.add_argument("--admission-wait-ms", type=float,
-                    help="after a step frees rows, hold the next step at most this long for the requests "
-                         "that will fill them, when recent refills came that soon (default 5; 0: never wait)")
-    sv.add_argument("--log-level")
-    sv.set_defaults(func=_serve)
+    from server.settings import LOG_LEVELS
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the bundled llada-tiny on CPU)",
+                           description="Every option can also be set as CAI_DLLM_<OPTION> in the environment.")
+    engine = serve.add_argument_group("engine")
+    _add_setting(engine, "model", help="local checkpoint directory")
+    options = _engine_flag_options()
+    _add_setting(engine, "device", **options["device"])
+    _add_setting(engine, "dtype", **options["dtype"])
+    _add_setting(engine, "max_batch", "--max-num-seqs", **options["max_batch"])
+    _add_setting(engine, "max_model_len", type=int, help="prompt + canvas limit", unset="the model's context")
+    _add_setting(engine, "use_flash_attn", action=argparse.BooleanOptionalAction,
+                 help="FlashAttention kernels", unset="when installed and usable")
+    sv = serve.add_argument_group("server")
+    _add_setting(sv, "served_model_name", help="the model id clients send", unset="the directory name")
+    _add_setting(sv, "host", help="address to listen on")
+    _add_setting(sv, "port", type=int, help="port to listen on")
+    _add_setting(sv, "max_queue", type=int, help="requests waiting for a row before 429")
+    _add_setting(sv, "max_n", type=int, help="completions per request, n x prompts")
+    _add_setting(sv, "api_key", help="require 'Authorization: Bearer KEY' on /v1 routes", unset="no key")
+    _add_setting(sv, "default_decoding", help="JSON object of default decoding knobs, e.g. "
+                 "'{\"cache\": \"dual\"}'", unset="the model's defaults")
+    _add_setting(sv, "request_timeout", type=float, help="seconds")
+    _add_setting(sv, "shutdown_timeout", type=float, help="seconds to finish in-flight work on SIGTERM")
+    _add_setting(sv, "stall_timeout", type=float, help="/health fails after this many seconds without progress")
+    _add_setting(sv, "admission_wait_ms", type=float,
+                 help="after a step frees rows, hold the next step at most this long for the requests "
+                      "that will fill them, when recent refills came that soon (0: never wait)")
+    _add_setting(sv, "log_level", choices=LOG_LEVELS, help="uvicorn's log level")
+    serve.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="benchmarks against a running server").add_subparsers(
         dest="bench_command", required=True)

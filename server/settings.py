@@ -1,30 +1,37 @@
 """Server settings: one frozen dataclass, filled from command-line flags, then environment
-variables (`CAI_DLLM_<NAME>`), then defaults. This is the only place the environment is read."""
+variables (`CAI_DLLM_<NAME>`), then defaults. This is the only place the environment is read.
+
+The engine's own settings are an `EngineConfig` inside (`settings.engine`), passed to the engine
+as is; their names (`model`, `device`, `max_batch`, ...) are flags and variables like the rest."""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Iterable, Mapping
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Optional
 
+from engine.config import EngineConfig
+
 ENV_PREFIX = "CAI_DLLM_"
 BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "models" / "llada-tiny"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
+
+
+def default_engine() -> EngineConfig:
+    """The engine served when nothing is configured: the bundled model, EngineConfig's defaults."""
+    return EngineConfig(model=str(BUNDLED_MODEL))
 
 
 @dataclass(frozen=True)
 class ServerSettings:
-    model: str = str(BUNDLED_MODEL)
+    engine: EngineConfig = field(default_factory=default_engine)
     served_model_name: Optional[str] = None  # default: the model directory's name
     host: str = "127.0.0.1"
     port: int = 8000
-    device: str = "cpu"
-    dtype: str = "float32"
-    max_batch: int = 8
     max_queue: int = 64  # requests waiting for a row; beyond it: 429
-    max_model_len: Optional[int] = None  # prompt + canvas; default: the model's context
     max_n: int = 16  # completions per request (n x prompts)
     max_body_bytes: int = 1 << 20
     api_key: Optional[str] = None
@@ -39,7 +46,9 @@ class ServerSettings:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        for name in ("port", "max_batch", "max_queue", "max_n", "max_body_bytes"):
+        if not isinstance(self.engine, EngineConfig):
+            raise ValueError(f"engine must be an EngineConfig, got {self.engine!r}")
+        for name in ("port", "max_queue", "max_n", "max_body_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "port" else 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -48,14 +57,54 @@ class ServerSettings:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         if self.admission_wait_ms < 0:
             raise ValueError(f"admission_wait_ms must be >= 0, got {self.admission_wait_ms!r}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not isinstance(self.default_decoding, dict):
             raise ValueError("default_decoding must be a JSON object")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}; got {self.log_level!r}")
+
+    # the engine's settings the server reads, by their usual names
+    @property
+    def model(self) -> str:
+        return self.engine.model
+
+    @property
+    def device(self) -> str:
+        return self.engine.device
+
+    @property
+    def dtype(self) -> str:
+        return self.engine.dtype
+
+    @property
+    def max_batch(self) -> int:
+        return self.engine.max_batch
+
+    @property
+    def max_model_len(self) -> Optional[int]:
+        return self.engine.max_model_len
 
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).name
+
+
+def _server_fields() -> tuple[Field, ...]:
+    return tuple(f for f in fields(ServerSettings) if f.name != "engine")
+
+
+def setting_names() -> tuple[str, ...]:
+    """Every setting's name, the engine's first: flags `--<name>`, variables `CAI_DLLM_<NAME>`."""
+    return tuple(f.name for f in (*fields(EngineConfig), *_server_fields()))
+
+
+def setting_default(name: str) -> Any:
+    """The value a setting takes when neither a flag nor a variable gives one."""
+    if name in {f.name for f in fields(EngineConfig)}:
+        return getattr(default_engine(), name)
+    for f in _server_fields():
+        if f.name == name:
+            return f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+    raise KeyError(name)
 
 
 def _convert(name: str, raw: str, kind: str) -> Any:
@@ -64,6 +113,12 @@ def _convert(name: str, raw: str, kind: str) -> Any:
             return json.loads(raw)
         except json.JSONDecodeError as err:
             raise ValueError(f"{name} is not valid JSON: {err}") from None
+    if "bool" in kind:
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name} must be true or false, got {raw!r}")
     if "int" in kind:
         return int(raw)
     if "float" in kind:
@@ -71,11 +126,9 @@ def _convert(name: str, raw: str, kind: str) -> Any:
     return raw
 
 
-def load_settings(overrides: Mapping[str, Any], environ: Optional[Mapping[str, str]] = None) -> ServerSettings:
-    """`overrides` (flags; None = not given) win over `CAI_DLLM_*` variables, which win over defaults."""
-    environ = os.environ if environ is None else environ
+def _gather(of: Iterable[Field], overrides: Mapping[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
-    for f in fields(ServerSettings):
+    for f in of:
         given = overrides.get(f.name)
         if given is not None:
             values[f.name] = given
@@ -83,6 +136,15 @@ def load_settings(overrides: Mapping[str, Any], environ: Optional[Mapping[str, s
         raw = environ.get(ENV_PREFIX + f.name.upper())
         if raw is not None and raw != "":
             values[f.name] = _convert(f.name, raw, str(f.type))
+    return values
+
+
+def load_settings(overrides: Mapping[str, Any], environ: Optional[Mapping[str, str]] = None) -> ServerSettings:
+    """`overrides` (flags; None = not given) win over `CAI_DLLM_*` variables, which win over defaults.
+    Engine settings go by their own names (`model`, `max_batch`, ...), like the server's."""
+    environ = os.environ if environ is None else environ
+    engine = replace(default_engine(), **_gather(fields(EngineConfig), overrides, environ))
+    values = _gather(_server_fields(), overrides, environ)
     if isinstance(values.get("default_decoding"), str):
         values["default_decoding"] = _convert("default_decoding", values["default_decoding"], "dict")
-    return ServerSettings(**values)
+    return ServerSettings(engine=engine, **values)

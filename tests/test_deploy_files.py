@@ -73,10 +73,11 @@ def test_live_metrics_page_carries_every_dashboard_metric():
     """From the running server (no traffic yet): each series a panel reads exists from start-up."""
     from fastapi.testclient import TestClient
 
+    from engine import EngineConfig
     from server.app import create_app
     from server.settings import ServerSettings
 
-    with TestClient(create_app(ServerSettings(model=str(MODEL)))) as client:
+    with TestClient(create_app(ServerSettings(engine=EngineConfig(model=str(MODEL))))) as client:
         page = client.get("/metrics").text
     present = {line.split("{")[0].split(" ")[0] for line in page.splitlines() if line and not line.startswith("#")}
     needed = {n for q in dashboard_queries() for n in METRIC_NAME.findall(q)}

@@ -27,7 +27,7 @@ def _app(fixtures, gate: threading.Event, loaded: threading.Event, **settings):
         engine.model.forward = held
         return engine
 
-    config = ServerSettings(model=str(fixtures / "llada_tiny"), **settings)
+    config = ServerSettings(engine=EngineConfig(model=str(fixtures / "llada_tiny")), **settings)
     return create_app(config, engine_factory=factory, meter=EnergyMeter())
 
 
@@ -57,7 +57,7 @@ def test_ready_only_after_loading_and_health_fails_on_a_stall(fixtures):
 
 
 def test_load_failure_is_reported(fixtures, tmp_path):
-    config = ServerSettings(model=str(tmp_path / "missing"))
+    config = ServerSettings(engine=EngineConfig(model=str(tmp_path / "missing")))
     app = create_app(config, meter=EnergyMeter())
     with TestClient(app) as client:
         deadline = time.monotonic() + 30

@@ -26,9 +26,36 @@ def test_settings_precedence_flags_env_defaults():
     assert load_settings({}, {}).model_name == "llada-tiny"
 
 
+def test_engine_settings_are_one_engine_config(fixtures):
+    from engine import EngineConfig
+    from server.app import _load_engine
+
+    settings = load_settings({"max_model_len": 96, "dtype": None},
+                             {"CAI_DLLM_DTYPE": "bfloat16", "CAI_DLLM_USE_FLASH_ATTN": "false"})
+    assert settings.engine == EngineConfig(model=str(BUNDLED_MODEL), dtype="bfloat16", max_model_len=96,
+                                           use_flash_attn=False)
+    assert (settings.max_model_len, settings.dtype, settings.device) == (96, "bfloat16", "cpu")
+    tiny = load_settings({"model": str(fixtures / "llada_tiny"), "max_model_len": 96}, {})
+    assert _load_engine(tiny).max_model_len == 96  # --max-model-len reaches the engine
+
+
+def test_serve_flags_take_their_defaults_from_the_settings():
+    from server.cli import build_parser
+    from server.settings import ServerSettings, setting_default, setting_names
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--max-num-seqs", "3", "--dtype", "BF16"])
+    assert (args.max_batch, args.dtype, args.port, args.model) == (3, "bf16", None, None)  # None: not given
+    assert set(setting_names()) >= {"model", "max_batch", "max_model_len", "port", "log_level"}
+    assert setting_default("max_batch") == ServerSettings().max_batch
+    assert setting_default("max_queue") == ServerSettings().max_queue
+    assert parser.parse_args(["generate", "--model", "m"]).max_batch == ServerSettings().max_batch
+
+
 @pytest.mark.parametrize("env", [{"CAI_DLLM_PORT": "x"}, {"CAI_DLLM_MAX_BATCH": "0"},
                                  {"CAI_DLLM_DEFAULT_DECODING": "{bad"}, {"CAI_DLLM_REQUEST_TIMEOUT": "-1"},
-                                 {"CAI_DLLM_ADMISSION_WAIT_MS": "-1"}])
+                                 {"CAI_DLLM_ADMISSION_WAIT_MS": "-1"}, {"CAI_DLLM_MAX_MODEL_LEN": "1"},
+                                 {"CAI_DLLM_DTYPE": "int8"}, {"CAI_DLLM_LOG_LEVEL": "loud"}])
 def test_bad_settings_are_refused(env):
     with pytest.raises(ValueError):
         load_settings({}, env)
