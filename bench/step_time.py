@@ -1,12 +1,13 @@
-"""Step time of the batched runner, and the share of it spent outside the model forward.
+"""Step time of `Engine.step`, the host time outside the model forward, and host reads per step.
 
-For each model (the tiny fixture and a ~100M-parameter random LLaDA), batch size and cache mode,
-the runner decodes `--steps` steps of CAI (prompt 64 tokens, 128 generated in blocks of 32) and we
-time every `runner.step()` and every model forward inside it. "Outside" = step time minus forward
-time: sampling, the policy, commits, cache bookkeeping, the per-step sync — the controller overhead
-the paper puts below 2 %.
+For each model (the bundled llada-tiny, the tiny fixture and a ~100M-parameter random LLaDA), batch
+size and cache mode, the engine decodes CAI (prompt 64 tokens, 128 generated in blocks of 32, no
+early exit) and we time every `engine.step()` and every model forward inside it, after a warm-up
+block. "Outside" = step time minus forward time: input building, sampling, the policies, commits,
+cache bookkeeping and the step's one device-to-host transfer, the controller overhead the paper puts
+below 2 %. Medians over the timed steps; "reads" is the most tensor-to-host reads in any one step.
 
-    python bench/step_time.py --steps 12 > bench/results/step_time_cpu.txt
+    python bench/step_time.py --steps 48 --threads 2 > bench/results/step_time_cpu.txt
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from pathlib import Path
 
 import torch
 
-from engine import load_model
-from engine.decoding import BlockDiffusionRunner, DecodeParams, GenerationRequest
+from engine import DecodeParams, Engine, load_model
+from engine.host_reads import count_host_reads
 from engine.models.llada import LLaDAModel
 from engine.special_tokens import SpecialTokens
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO.parent / "shared" / "fixtures"
 
 
 def random_llada(d_model: int, layers: int, heads: int, mlp: int, vocab: int) -> LLaDAModel:
@@ -33,15 +35,14 @@ def random_llada(d_model: int, layers: int, heads: int, mlp: int, vocab: int) ->
           "layer_norm_type": "rms", "rope": True, "rope_theta": 500000.0, "max_sequence_length": 4096}
     special = SpecialTokens(mask_id=vocab - 2, eos_ids=(vocab - 1,), pad_id=vocab - 1)
     torch.manual_seed(0)
-    model = LLaDAModel(LLaDAModel.parse_config(hf), special, hf).eval().requires_grad_(False)
-    return model
+    return LLaDAModel(LLaDAModel.parse_config(hf), special, hf).eval().requires_grad_(False)
 
 
 class ForwardTimer:
     def __init__(self, model: torch.nn.Module) -> None:
         self.total = 0.0
-        self.calls = 0
         self._forward = model.forward
+        self._model = model
         model.forward = self  # type: ignore[method-assign]
 
     def __call__(self, *args, **kwargs):
@@ -50,52 +51,67 @@ class ForwardTimer:
         if out.is_cuda:
             torch.cuda.synchronize()
         self.total += time.perf_counter() - start
-        self.calls += 1
         return out
 
+    def restore(self) -> None:
+        del self._model.forward
 
-def measure(model, batch: int, cache: str, steps: int) -> dict:
-    timer = ForwardTimer(model)
-    runner = BlockDiffusionRunner(model, max_batch=batch)
+
+def measure(model: torch.nn.Module, batch: int, cache: str, steps: int) -> dict:
+    engine = Engine.from_model(model, max_batch=batch)
     gen = torch.Generator().manual_seed(1)
-    vocab = model.config.vocab_size - 8
+    vocab = min(model.special.mask_id, model.config.vocab_size) - 8
     params = DecodeParams(policy="cai", gen_length=128, block_length=32, steps=128, cache=cache, early_exit=False,
                           refresh_interval=16 if cache != "none" else 0)
-    for i in range(batch):
-        runner.add(GenerationRequest(tuple(torch.randint(0, vocab, (64,), generator=gen).tolist()), params, f"r{i}"))
-    runner.step()  # warm-up (allocations, first block start)
-    timer.total, timer.calls = 0.0, 0
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        runner.step()
-        times.append(time.perf_counter() - start)
-    model.forward = timer._forward  # type: ignore[method-assign]
-    total = sum(times)
-    return {"step_ms": 1000 * statistics.mean(times), "forward_ms": 1000 * timer.total / steps,
-            "outside": (total - timer.total) / total, "forwards_per_step": timer.calls / steps}
+    for _ in range(batch):
+        engine.add_request(torch.randint(0, vocab, (64,), generator=gen).tolist(), params)
+    timer = ForwardTimer(model)
+    step_ms, outside_ms, reads = [], [], 0
+    warm = 0
+    try:
+        while engine.has_unfinished() and len(step_ms) < steps:
+            timer.total = 0.0
+            with count_host_reads() as counted:
+                start = time.perf_counter()
+                engine.step()
+                took = time.perf_counter() - start
+            if warm < 2:  # first-call allocations and the first block start
+                warm += 1
+                continue
+            step_ms.append(1000 * took)
+            outside_ms.append(1000 * (took - timer.total))
+            reads = max(reads, counted.count)
+    finally:
+        timer.restore()
+    return {"step_ms": statistics.median(step_ms), "outside_ms": statistics.median(outside_ms),
+            "forward_ms": statistics.median(s - o for s, o in zip(step_ms, outside_ms, strict=True)),
+            "reads": reads, "steps": len(step_ms)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--skip-large", action="store_true", help="leave out the 100M random model")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    models = {
-        "fixture llada_tiny (0.1M)": load_model(FIXTURES / "llada_tiny"),
-        "random LLaDA 100M (d768 L12)": random_llada(768, 12, 12, 2048, 16384),
-    }
-    print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
-          f"{torch.__version__}, float32, CPU; CAI, prompt 64 + 128 generated, block 32, {args.steps} timed steps")
-    print(f"{'model':30s} {'batch':>5s} {'cache':>6s} {'step ms':>9s} {'forward ms':>11s} {'outside %':>10s}")
+    models = {"bundled llada-tiny": load_model(REPO / "models" / "llada-tiny"),
+              "fixture llada_tiny": load_model(FIXTURES / "llada_tiny")}
+    if not args.skip_large:
+        models["random LLaDA 100M (d768 L12)"] = random_llada(768, 12, 12, 2048, 16384)
+    print(f"# {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, float32, CPU; "
+          f"CAI, prompt 64 + 128 generated, block 32, refresh 16, medians of {args.steps} steps after 2 warm-up")
+    print(f"# command: python bench/step_time.py --steps {args.steps} --threads {args.threads}")
+    print(f"{'model':30s} {'batch':>5s} {'cache':>6s} {'step ms':>8s} {'forward ms':>10s} {'outside ms':>10s} "
+          f"{'outside %':>9s} {'reads/step':>10s}")
     for name, model in models.items():
         params = sum(p.numel() for p in model.parameters())
         for batch in (1, 8):
             for cache in ("none", "prefix", "dual"):
                 r = measure(model, batch, cache, args.steps)
-                print(f"{name:30s} {batch:5d} {cache:>6s} {r['step_ms']:9.2f} {r['forward_ms']:11.2f} "
-                      f"{100 * r['outside']:9.1f}%", flush=True)
+                print(f"{name:30s} {batch:5d} {cache:>6s} {r['step_ms']:8.2f} {r['forward_ms']:10.2f} "
+                      f"{r['outside_ms']:10.2f} {100 * r['outside_ms'] / r['step_ms']:8.1f}% {r['reads']:10d}",
+                      flush=True)
         print(f"# {name}: {params / 1e6:.1f}M parameters")
 
 

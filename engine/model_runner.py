@@ -53,11 +53,6 @@ class ModelRunner:
                                    model.dtype, self.device)
         self.store.key_mask[:, 0] = True  # a free slot's dummy row still attends to something
 
-    @property
-    def scratch(self) -> int:
-        """The store column that dummy and query-only positions write to (never attended)."""
-        return self.store.width - 1
-
     # ------------------------------------------------------------------------------ slots
 
     def admit(self, request: Request, running: Sequence[Request]) -> None:
@@ -183,14 +178,17 @@ class ModelRunner:
         positions = torch.where(valid, source, 0)
         # The extra position before the block (Dream) is only a query: its cached key/value stay
         # from the last full forward, as every other position outside the fed span.
-        write_index = torch.where(valid & (j >= shift), source, self.scratch)
+        # Attention spans the longest canvas of these rows, plus a scratch column past it that
+        # query-only positions write to and no row attends (the store is wider: not read here).
+        scratch = max(r.length for r in requests)
+        write_index = torch.where(valid & (j >= shift), source, scratch)
         at = torch.where(in_block, self._arange[None, :width], 0)
-        if span == len(requests) and all(r.slot == b for b, r in enumerate(requests)):
-            # the rows are the store's first rows, in order: attend over a view of them
-            store = self.store if span == self.store.batch else KVStore(
-                keys=[k[:span] for k in self.store.keys], values=[v[:span] for v in self.store.values],
-                key_mask=self.store.key_mask[:span])
-            cache = CacheWrite(store, write_index)
-        else:  # each layer reads the rows' caches out of the store (a copy of those rows)
-            cache = CacheWrite(self.store, write_index, rows=slots)
+        in_slot_order = span == len(requests) and all(r.slot == b for b, r in enumerate(requests))
+        rows = slice(None, span) if in_slot_order else slice(None)
+        store = KVStore(keys=[k[rows, :, :scratch + 1] for k in self.store.keys],
+                        values=[v[rows, :, :scratch + 1] for v in self.store.values],
+                        key_mask=self.store.key_mask[rows, :scratch + 1])
+        # in slot order the rows are the store's first rows: attend over a view of them; otherwise
+        # each layer reads the rows out of the store (a copy of those rows)
+        cache = CacheWrite(store, write_index, rows=None if in_slot_order else slots)
         return self.model(ids, position_ids=positions, cache=cache, logits_at=at)
