@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Optional, Union
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from engine import Engine, RequestError
 from engine.decoding import DecodeParamError, DecodeParams, GenerationRequest
@@ -52,6 +52,11 @@ DEFAULT_BLOCK = 32
 RETRY_AFTER_SECONDS = 1
 # How often a request waiting on the engine checks whether its client is still there.
 _DISCONNECT_POLL_SECONDS = 0.25
+
+
+def _json(body: Any) -> Response:
+    """A response body serialized by pydantic's own encoder (no dict and json.dumps in between)."""
+    return Response(content=body.model_dump_json(), media_type="application/json")
 
 
 class Serving:
@@ -253,16 +258,16 @@ class Serving:
             raise asyncio.CancelledError  # the client went away: nobody to answer
         created, model, usage = now(), self.settings.model_name, self._usage(choices)
         if chat:
-            return JSONResponse(ChatCompletionResponse(
+            return _json(ChatCompletionResponse(
                 id=response_id, created=created, model=model, usage=usage,
                 choices=[ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
                                     finish_reason=c.finish_reason, decoding=self._summary(c)) for c in choices],
-            ).model_dump())
-        return JSONResponse(CompletionResponse(
+            ))
+        return _json(CompletionResponse(
             id=response_id, created=created, model=model, usage=usage,
             choices=[CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
                                       decoding=self._summary(c)) for c in choices],
-        ).model_dump())
+        ))
 
     async def _stream(self, choices: list[ChoiceOutput], queue: asyncio.Queue, request: Request, chat: bool,
                       response_id: str, include_usage: bool) -> AsyncIterator[bytes]:
