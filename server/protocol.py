@@ -143,11 +143,16 @@ class CompletionChoice(BaseModel):
     decoding: Optional[DecodingSummary] = None
 
 
-class CompletionResponse(BaseModel):
+class _ResponseHead(BaseModel):
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+
+
+class CompletionResponse(_ResponseHead):
+    """A whole completion, and each chunk of a streamed one (OpenAI uses the same object for both)."""
+
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Optional[Usage] = None
 
@@ -165,11 +170,8 @@ class ChatChoice(BaseModel):
     decoding: Optional[DecodingSummary] = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_ResponseHead):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
 
@@ -191,21 +193,9 @@ class ChatStreamChoice(BaseModel):
     decoding: Optional[DecodingSummary] = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_ResponseHead):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatStreamChoice]
-    usage: Optional[Usage] = None
-
-
-class CompletionChunk(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
     usage: Optional[Usage] = None
 
 

@@ -37,7 +37,6 @@ from server.protocol import (
     ChatDelta,
     ChatStreamChoice,
     CompletionChoice,
-    CompletionChunk,
     CompletionRequest,
     CompletionResponse,
     DecodingSummary,
@@ -281,7 +280,7 @@ class Serving:
                 body: Any = ChatCompletionChunk(id=response_id, created=created, model=model, choices=[
                     ChatStreamChoice(index=choice.index, delta=delta, finish_reason=finish, decoding=summary)])
             else:
-                body = CompletionChunk(id=response_id, created=created, model=model, choices=[
+                body = CompletionResponse(id=response_id, created=created, model=model, choices=[
                     CompletionChoice(index=choice.index, text=text or "", finish_reason=finish, decoding=summary)])
             return b"data: " + body.model_dump_json().encode() + b"\n\n"
 
@@ -298,9 +297,8 @@ class Serving:
                 return  # the client went away
             if include_usage:
                 usage = self._usage(choices)
-                body: Any = (ChatCompletionChunk(id=response_id, created=created, model=model, choices=[], usage=usage)
-                             if chat else CompletionChunk(id=response_id, created=created, model=model, choices=[],
-                                                          usage=usage))
+                kind: Any = ChatCompletionChunk if chat else CompletionResponse
+                body = kind(id=response_id, created=created, model=model, choices=[], usage=usage)
                 yield b"data: " + body.model_dump_json().encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
         except APIError as err:
