@@ -8,6 +8,7 @@ cache bookkeeping and the step's one device-to-host transfer, the controller ove
 below 2 %. Medians over the timed steps; "reads" is the most tensor-to-host reads in any one step.
 
     python bench/step_time.py --steps 48 --threads 2 > bench/results/step_time_cpu.txt
+    python bench/step_time.py --steps 48 --threads 2 --compile-decide   # the decide step compiled
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ class ForwardTimer:
         del self._model.forward
 
 
-def measure(model: torch.nn.Module, batch: int, cache: str, steps: int) -> dict:
-    engine = Engine.from_model(model, max_batch=batch)
+def measure(model: torch.nn.Module, batch: int, cache: str, steps: int, compile_decide: bool = False) -> dict:
+    engine = Engine.from_model(model, max_batch=batch, compile_decide=compile_decide)
     gen = torch.Generator().manual_seed(1)
     vocab = min(model.special.mask_id, model.config.vocab_size) - 8
     params = DecodeParams(policy="cai", gen_length=128, block_length=32, steps=128, cache=cache, early_exit=False,
@@ -93,6 +94,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--skip-large", action="store_true", help="leave out the 100M random model")
+    parser.add_argument("--compile-decide", action="store_true", help="EngineConfig.compile_decide")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     models = {"bundled llada-tiny": load_model(REPO / "models" / "llada-tiny"),
@@ -101,14 +103,15 @@ def main() -> None:
         models["random LLaDA 100M (d768 L12)"] = random_llada(768, 12, 12, 2048, 16384)
     print(f"# {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, float32, CPU; "
           f"CAI, prompt 64 + 128 generated, block 32, refresh 16, medians of {args.steps} steps after 2 warm-up")
-    print(f"# command: python bench/step_time.py --steps {args.steps} --threads {args.threads}")
+    flags = (" --skip-large" if args.skip_large else "") + (" --compile-decide" if args.compile_decide else "")
+    print(f"# command: python bench/step_time.py --steps {args.steps} --threads {args.threads}{flags}")
     print(f"{'model':30s} {'batch':>5s} {'cache':>6s} {'step ms':>8s} {'forward ms':>10s} {'outside ms':>10s} "
           f"{'outside %':>9s} {'reads/step':>10s}")
     for name, model in models.items():
         params = sum(p.numel() for p in model.parameters())
         for batch in (1, 8):
             for cache in ("none", "prefix", "dual"):
-                r = measure(model, batch, cache, args.steps)
+                r = measure(model, batch, cache, args.steps, args.compile_decide)
                 print(f"{name:30s} {batch:5d} {cache:>6s} {r['step_ms']:8.2f} {r['forward_ms']:10.2f} "
                       f"{r['outside_ms']:10.2f} {100 * r['outside_ms'] / r['step_ms']:8.1f}% {r['reads']:10d}",
                       flush=True)

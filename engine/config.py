@@ -16,6 +16,9 @@ class EngineConfig:
     max_batch: int = 8  # rows decoded together in one step
     use_flash_attn: Optional[bool] = None  # None: when installed and usable
     max_model_len: Optional[int] = None  # prompt + canvas; None: the model's context
+    # compile the decide step (torch.compile): less host time a step, seconds of compiling per new
+    # batch shape family at the start (bench/step_time.py --compile-decide)
+    compile_decide: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:

@@ -47,11 +47,12 @@ class Engine:
         self._setup(config, model, tokenizer)
 
     @classmethod
-    def from_model(cls, model: DiffusionTransformer, tokenizer: Optional[Any] = None, max_batch: int = 8) -> Engine:
+    def from_model(cls, model: DiffusionTransformer, tokenizer: Optional[Any] = None, max_batch: int = 8,
+                   compile_decide: bool = False) -> Engine:
         """An engine over an already loaded model (tests, training, benchmarks)."""
         engine = cls.__new__(cls)
         config = EngineConfig(model="", device=str(model.device), dtype=str(model.dtype).removeprefix("torch."),
-                              max_batch=max_batch)
+                              max_batch=max_batch, compile_decide=compile_decide)
         engine._setup(config, model, tokenizer)
         return engine
 
@@ -71,7 +72,7 @@ class Engine:
         """Drop every request, waiting or running (after a failed step)."""
         self.scheduler = Scheduler(self.max_batch)
         self.runner = ModelRunner(self.model, self.max_batch)
-        self.decode_state = DecodeState(self.max_batch, self.model.device)
+        self.decode_state = DecodeState(self.max_batch, self.model.device, self.config.compile_decide)
 
     @property
     def architecture(self) -> str:

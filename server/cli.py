@@ -296,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_setting(engine, "max_model_len", type=int, help="prompt + canvas limit", unset="the model's context")
     _add_setting(engine, "use_flash_attn", action=argparse.BooleanOptionalAction,
                  help="FlashAttention kernels", unset="when installed and usable")
+    _add_setting(engine, "compile_decide", action=argparse.BooleanOptionalAction,
+                 help="compile the decide step (torch.compile): less host time a step, seconds of compiling "
+                      "per new batch shape at the start")
     sv = serve.add_argument_group("server")
     _add_setting(sv, "served_model_name", help="the model id clients send", unset="the directory name")
     _add_setting(sv, "host", help="address to listen on")

@@ -121,3 +121,17 @@ def test_streamed_text_equals_the_whole_response(tiny_engine_parts, held_out_pro
         assert streamed[request_id].finish_reason == whole.finish_reason
         text = tokenizer.decode(result.response_ids, skip_special_tokens=True)  # the offline text
         assert text.startswith(whole.text) and (whole.stopped_by_string or text == whole.text)
+
+
+@pytest.mark.slow
+def test_compiled_decide_step_gives_the_same_tokens(llada_model):
+    """EngineConfig.compile_decide: every policy, rows joining and leaving (the batch size changes),
+    the same tokens and telemetry as the eager decide step; a sampling row takes the eager path."""
+    for model in (llada_model,):  # each new mix of policies compiles anew: one model keeps CI short
+        prompts = [[1 + i, 2, 3, 4][: 2 + i % 3] for i in range(10)]
+        params = [_mixed_params(i, "dual") for i in range(10)]
+        eager = Engine.from_model(model, max_batch=4).generate(prompts, params)
+        compiled = Engine.from_model(model, max_batch=4, compile_decide=True).generate(prompts, params)
+        for a, b in zip(eager, compiled, strict=True):
+            assert a.generated_ids == b.generated_ids and a.finish_reason == b.finish_reason
+            assert a.stats.as_dict() | {"wall_time": 0} == b.stats.as_dict() | {"wall_time": 0}

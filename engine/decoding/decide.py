@@ -8,8 +8,9 @@ share a step.
 Per-row state that lives from step to step on the device (CAI's first-step confidences and
 low-yield counter) and the per-request knobs are slot-indexed tensors, written once when a request
 takes a slot, so a step gathers them with one index and never reads a device value back on its own.
-The step ends with `summarize`: one tensor holding, per row, its counters and its block's tokens,
-which the scheduler transfers to the host once.
+The step ends with one tensor holding, per row, its counters and its block's tokens, which the
+scheduler transfers to the host once. `decide_tensors` is the whole step as a function of tensors
+(and host-known flags), which `EngineConfig.compile_decide` compiles into fused kernels.
 """
 
 from __future__ import annotations
@@ -155,8 +156,11 @@ SUMMARY_COLUMNS = ("committed", "still_masked", "forced", "grinding_exit", "end_
 class DecodeState:
     """Slot-indexed device tensors: request knobs and CAI's per-row state."""
 
-    def __init__(self, max_batch: int, device: torch.device) -> None:
+    def __init__(self, max_batch: int, device: torch.device, compile_decide: bool = False) -> None:
         self.device = device
+        # The decide step is ~90 small tensor operations; compiled, they run as a few fused kernels.
+        # Compiling costs seconds per new batch shape family, hence a switch (EngineConfig).
+        self.compiled = torch.compile(decide_tensors, dynamic=True) if compile_decide else None
         self.width = 1
         self.knobs_f = torch.zeros(max_batch, len(_FLOAT_KNOBS), device=device)
         self.knobs_i = torch.zeros(max_batch, len(_INT_KNOBS), dtype=torch.long, device=device)
@@ -210,46 +214,65 @@ def decide_step(state: DecodeState, rows: StepRows, logits: torch.Tensor, block_
     """Predict, decide and commit for every row. Returns (the block's new tokens [B, W], the summary
     [B, len(SUMMARY_COLUMNS) + W] whose host copy is the step's one device-to-host transfer)."""
     slots = rows.column("slot")
-    f_all, i_all = state.knobs_f[slots], state.knobs_i[slots]
-    f = dict(zip(_FLOAT_KNOBS, f_all.unbind(1), strict=True))
-    i = dict(zip(_INT_KNOBS, i_all.unbind(1), strict=True))
-    b = dict(zip(_BOOL_KNOBS, state.knobs_b[slots].unbind(1), strict=True))
-    if rows.max_top_k > 0 or rows.any_top_p:
-        logits = filter_top_k_top_p(logits, i["top_k"], f["top_p"], max_top_k=rows.max_top_k,
-                                    any_top_p=rows.any_top_p)
-    x0 = predict(logits, rows.sampled, mask_id)
-    kinds = frozenset(POLICIES[name].conf_kind for name in rows.policies)
+    width = block_tokens.shape[1]
+    # Rows that sample draw from their own generators, which stay outside a compiled graph.
+    decide = state.compiled if state.compiled is not None and not rows.sampled else decide_tensors
+    new_tokens, summary, first_conf, low_yield = decide(
+        state.knobs_f[slots], state.knobs_i[slots], state.knobs_b[slots], state.first_conf[slots, :width],
+        state.low_yield[slots], logits, block_tokens, in_block, rows.fields, end_ids, mask_id, rows.policies,
+        tuple(rows.sampled), rows.max_top_k, rows.any_top_p, rows.commit_first)
+    if "cai" in rows.policies:
+        state.first_conf[slots, :width] = first_conf
+        state.low_yield[slots] = low_yield
+    return new_tokens, summary
+
+
+def decide_tensors(knobs_f: torch.Tensor, knobs_i: torch.Tensor, knobs_b: torch.Tensor, first_conf: torch.Tensor,
+                   low_yield: torch.Tensor, logits: torch.Tensor, block_tokens: torch.Tensor, in_block: torch.Tensor,
+                   fields: torch.Tensor, end_ids: torch.Tensor, mask_id: int, policies: frozenset[str],
+                   sampled: tuple[tuple[int, torch.Generator, float], ...], max_top_k: int, any_top_p: bool,
+                   commit_first: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decide step on the rows' tensors (knobs and CAI state gathered by slot): tensors in,
+    tensors out, so that it can be compiled. Returns (new tokens, summary, CAI's s_i, CAI's counter)."""
+    f = dict(zip(_FLOAT_KNOBS, knobs_f.unbind(1), strict=True))
+    i = dict(zip(_INT_KNOBS, knobs_i.unbind(1), strict=True))
+    b = dict(zip(_BOOL_KNOBS, knobs_b.unbind(1), strict=True))
+    if max_top_k > 0 or any_top_p:
+        logits = filter_top_k_top_p(logits, i["top_k"], f["top_p"], max_top_k=max_top_k, any_top_p=any_top_p)
+    x0 = predict(logits, sampled, mask_id)
+    kinds = frozenset(POLICIES[name].conf_kind for name in policies)
     conf = confidence(logits, x0, i["conf_kind"], kinds)
     candidates = (block_tokens == mask_id) & in_block
     width = block_tokens.shape[1]
-    batch = Batch(conf=conf, candidates=candidates, step=rows.column("step"), block=rows.column("block"),
-                  quota=rows.column("quota"), f=f, i=i, b=b, first_conf=state.first_conf[slots, :width],
-                  low_yield=state.low_yield[slots])
+    step = fields[:, STEP_FIELDS.index("step")]
+    batch = Batch(conf=conf, candidates=candidates, step=step, block=fields[:, STEP_FIELDS.index("block")],
+                  quota=fields[:, STEP_FIELDS.index("quota")], f=f, i=i, b=b, first_conf=first_conf,
+                  low_yield=low_yield)
 
     commit = torch.zeros_like(candidates)
     forced = torch.zeros_like(candidates)
-    grinding = torch.zeros_like(batch.step, dtype=torch.bool)
+    grinding = torch.zeros_like(step, dtype=torch.bool)
     decided: dict[DecideFn, Decision] = {}
-    for name in sorted(rows.policies):
+    for name in sorted(policies):
         policy = POLICIES[name]
         if policy.decide not in decided:
             decided[policy.decide] = policy.decide(batch)
     for fn, decision in decided.items():
-        families = {p.family for p in POLICIES.values() if p.decide is fn}
-        mine = torch.zeros_like(grinding)
-        for family in families:
-            mine |= i["family"] == family
         if len(decided) == 1:
+            mine = torch.ones_like(grinding)
             commit = decision.commit
         else:
+            mine = torch.zeros_like(grinding)
+            for family in {p.family for p in POLICIES.values() if p.decide is fn}:
+                mine |= i["family"] == family
             commit = torch.where(mine[:, None], decision.commit, commit)
         if decision.forced is not None:
             forced = torch.where(mine[:, None], decision.forced, forced)
             grinding = mine & decision.grinding_exit
-            state.first_conf[slots, :width] = torch.where(mine[:, None], decision.first_conf, batch.first_conf)
-            state.low_yield[slots] = torch.where(mine, decision.low_yield, batch.low_yield)
-    if rows.commit_first:  # Fast-dLLM's Dream block decoder: a block's first forward commits its first token
-        first_only = rows.column("commit_first_only") > 0
+            first_conf = torch.where(mine[:, None], decision.first_conf, first_conf)
+            low_yield = torch.where(mine, decision.low_yield, low_yield)
+    if commit_first:  # Fast-dLLM's Dream block decoder: a block's first forward commits its first token
+        first_only = fields[:, STEP_FIELDS.index("commit_first_only")] > 0
         first = torch.zeros_like(candidates)
         first[:, 0] = True
         commit = torch.where(first_only[:, None], first & candidates, commit)
@@ -267,4 +290,4 @@ def decide_step(state: DecodeState, rows: StepRows, logits: torch.Tensor, block_
     low = (candidates & (conf < P.CONF_LOW)).sum(dim=1)
     summary = torch.cat([torch.stack([commit.sum(dim=1), still_masked.sum(dim=1), forced.sum(dim=1),
                                       grinding.long(), end_pos, high, low, first_masked], dim=1), new_tokens], dim=1)
-    return new_tokens, summary
+    return new_tokens, summary, first_conf, low_yield
