@@ -38,6 +38,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY engine ./engine
 COPY server ./server
+COPY tinymodels ./tinymodels
 RUN if [ -n "${EXTRAS}" ]; then /opt/venv/bin/pip install --no-cache-dir ".[${EXTRAS}]"; \
     else /opt/venv/bin/pip install --no-cache-dir .; fi
 
