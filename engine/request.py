@@ -12,11 +12,10 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
 import torch
 
 from engine.decoding.params import DecodeParams
-from engine.decoding.policies import dream_transfer_fractions
+from engine.decoding.policies import dream_quota, dream_transfer_fractions, fixed_quota
 from engine.decoding.types import GenerationRequest, GenerationResult, RequestStats
 
 FORWARD_FULL, FORWARD_DUAL, FORWARD_PREFIX = "full", "dual", "prefix"
@@ -64,8 +63,8 @@ class Request:
         self.policy = params.policy
         self.mask_id = mask_id
         self.end_ids = end_ids
-        self.dream_fractions = (np.asarray(dream_transfer_fractions(self.steps_per_block, params.eps),
-                                           dtype=np.float32) if params.policy.startswith("dream-") else None)
+        self.dream_fractions = (dream_transfer_fractions(self.steps_per_block, params.eps)
+                                if params.policy.startswith("dream-") else None)
         self.queued_at = queued_at
         self.slot = -1
         self.block = 0
@@ -103,14 +102,11 @@ class Request:
         return FORWARD_DUAL if p.cache == "dual" else FORWARD_PREFIX
 
     def rank_quota(self) -> int:
-        """Tokens the rank policies commit this step: LLaDA's `get_num_transfer_tokens` (M // s, the
-        first M % s steps one more) or Dream's int(M * (1 - s/t)) in float32, every mask at the last step."""
+        """Tokens the rank policies (LLaDA's fixed schedule, Dream's) commit this step."""
         if self.dream_fractions is None:
-            base, extra = divmod(self.masked_at_block_start, self.steps_per_block)
-            return base + (1 if self.step < extra else 0)
-        if self.step >= self.steps_per_block - 1:
-            return self.masked_now
-        return int(np.float32(self.masked_now) * self.dream_fractions[self.step])
+            return fixed_quota(self.masked_at_block_start, self.steps_per_block, self.step)
+        return dream_quota(self.masked_now, self.dream_fractions[min(self.step, self.steps_per_block - 1)],
+                           last_step=self.step >= self.steps_per_block - 1)
 
     def take_new_final(self, stable: int) -> tuple[int, ...]:
         """The generated tokens in [emitted, stable) not yet reported, stopping after an end token."""

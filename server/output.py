@@ -100,6 +100,7 @@ class ChoiceOutput:
         self.result: Optional[GenerationResult] = None
         self.finish_reason: Optional[str] = None
         self.joules: Optional[float] = None
+        self.completion_count = 0  # set when the choice finishes (server.serving)
         self._searched = 0  # text before this index holds no stop string
 
     @property

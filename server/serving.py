@@ -171,12 +171,13 @@ class Serving:
     def _record(self, choice: ChoiceOutput) -> None:
         m = self.metrics
         m.labels(m.prompt_tokens).inc(len(choice.prompt_ids))
-        m.labels(m.generation_tokens).inc(choice.completion_tokens(self._count_tokens))
+        choice.completion_count = choice.completion_tokens(self._count_tokens)  # counted once, at the finish
+        m.labels(m.generation_tokens).inc(choice.completion_count)
         m.labels(m.request_success, finished_reason=choice.finish_reason).inc()
 
     def _usage(self, choices: list[ChoiceOutput]) -> Usage:
         prompt = sum(len(c.prompt_ids) for c in choices)
-        completion = sum(c.completion_tokens(self._count_tokens) for c in choices)
+        completion = sum(c.completion_count for c in choices)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
     @staticmethod

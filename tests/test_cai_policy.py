@@ -223,9 +223,8 @@ def test_rows_with_different_knobs_in_one_call():
 
 def test_fixed_quota_matches_llada_schedule():
     # M = 10 masked over 4 steps -> 3, 3, 2, 2
-    quota = P.fixed_quota(t(10, 10, 10, 10, dtype=torch.long), t(4, 4, 4, 4, dtype=torch.long),
-                          t(0, 1, 2, 3, dtype=torch.long))
-    assert quota.tolist() == [3, 3, 2, 2]
+    quota = [P.fixed_quota(10, 4, step) for step in range(4)]
+    assert quota == [3, 3, 2, 2]
 
 
 def test_threshold_commit_keeps_the_best_below_threshold():
@@ -238,10 +237,10 @@ def test_threshold_commit_keeps_the_best_below_threshold():
 def test_dream_quota_truncates_like_int():
     fractions = P.dream_transfer_fractions(32, 1e-3)
     # with as many steps as tokens, Dream's first step commits nothing (int truncation)
-    quota = P.dream_quota(t(32, dtype=torch.long), t(fractions[0]), torch.tensor([False]))
-    assert quota.item() == 0
-    last = P.dream_quota(t(5, dtype=torch.long), t(fractions[-1]), torch.tensor([True]))
-    assert last.item() == 5
+    quota = P.dream_quota(32, fractions[0], last_step=False)
+    assert quota == 0
+    last = P.dream_quota(5, fractions[-1], last_step=True)
+    assert last == 5
 
 
 def test_rank_breaks_ties_by_position():

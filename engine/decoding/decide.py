@@ -34,7 +34,7 @@ from engine.request import Request
 
 # ----------------------------------------------------------------------------------------- knobs
 
-# Float and integer knobs of a request, one slot row each; booleans are stored as 0/1 integers.
+# Float, integer and boolean knobs of a request, one slot row each.
 _FLOAT_KNOBS = ("theta_s", "theta_e", "warmup", "block_decay", "eta", "eta_denominator", "theta_fb", "threshold",
                 "top_p")
 _INT_KNOBS = ("patience", "min_commit", "top_k", "steps_per_block", "num_blocks", "block_length", "family",

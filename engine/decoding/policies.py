@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 NEG_INF = float("-inf")
@@ -59,18 +60,18 @@ def best_candidate(score: torch.Tensor, candidates: torch.Tensor) -> torch.Tenso
     return torch.zeros_like(candidates).scatter_(1, best, True) & candidates
 
 
-def fixed_quota(masked_at_block_start: torch.Tensor, steps_per_block: torch.Tensor,
-                step: torch.Tensor) -> torch.Tensor:
-    """LLaDA `get_num_transfer_tokens`: M // s per step, the first M % s steps one more."""
-    base = masked_at_block_start // steps_per_block
-    remainder = masked_at_block_start % steps_per_block
-    return base + (step < remainder).long()
+def fixed_quota(masked_at_block_start: int, steps_per_block: int, step: int) -> int:
+    """LLaDA `get_num_transfer_tokens`: M // s per step, the first M % s steps one more. A host
+    scalar: the engine knows every count it needs, so the rank policies' quotas cost no device work."""
+    base, remainder = divmod(masked_at_block_start, steps_per_block)
+    return base + (1 if step < remainder else 0)
 
 
-def dream_quota(masked_now: torch.Tensor, transfer_fraction: torch.Tensor, last_step: torch.Tensor) -> torch.Tensor:
+def dream_quota(masked_now: int, transfer_fraction: float, last_step: bool) -> int:
     """Dream `diffusion_generate`: int(M * (1 - s/t)) in float32, every remaining mask at the last step."""
-    quota = (masked_now.float() * transfer_fraction).long()
-    return torch.where(last_step, masked_now, quota)
+    if last_step:
+        return masked_now
+    return int(np.float32(masked_now) * np.float32(transfer_fraction))
 
 
 def dream_transfer_fractions(steps: int, eps: float) -> list[float]:
