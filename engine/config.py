@@ -19,6 +19,11 @@ class EngineConfig:
     # compile the decide step (torch.compile): less host time a step, seconds of compiling per new
     # batch shape family at the start (bench/step_time.py --compile-decide)
     compile_decide: bool = False
+    # the most top alternatives a request may ask for per token (vLLM's --max-logprobs)
+    max_logprobs: int = 20
+    # the most tokens one likelihood-scoring request may feed the model: (n - 1) x samples x n for a
+    # prompt of n tokens (engine.scoring); beyond it the request is refused
+    max_score_tokens: int = 1 << 22
 
     def __post_init__(self) -> None:
         if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
@@ -26,5 +31,10 @@ class EngineConfig:
         if self.max_model_len is not None and (isinstance(self.max_model_len, bool)
                                                or not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if isinstance(self.max_score_tokens, bool) or not isinstance(self.max_score_tokens, int) \
+                or self.max_score_tokens < 1:
+            raise ValueError(f"max_score_tokens must be a positive integer, got {self.max_score_tokens!r}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if self.dtype.lower() not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {self.dtype!r}")

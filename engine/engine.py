@@ -21,7 +21,7 @@ from typing import Any, Optional, Union
 import torch
 
 from engine.config import EngineConfig
-from engine.decoding.decide import DecodeState, StepRows, decide_step
+from engine.decoding.decide import DecodeState, LogprobColumns, StepRows, decide_step
 from engine.decoding.params import DecodeParams, resolve_defaults
 from engine.decoding.types import GenerationRequest, GenerationResult
 from engine.errors import CheckpointError, RequestError
@@ -31,6 +31,7 @@ from engine.model_runner import ModelRunner
 from engine.models.transformer import DiffusionTransformer
 from engine.request import Request, StepOutput
 from engine.scheduler import Scheduler
+from engine.scoring import prompt_logprobs, scoring_cost
 
 Prompt = Union[GenerationRequest, Sequence[int], str]
 
@@ -84,14 +85,21 @@ class Engine:
 
     # ------------------------------------------------------------------ the step API
 
-    def validate(self, prompt_ids: Sequence[int], params: DecodeParams) -> DecodeParams:
-        """The request's parameters with the model's defaults filled; RequestError if unusable."""
-        config = self.model.config
+    def check_prompt(self, prompt_ids: Sequence[int]) -> None:
+        """RequestError unless the prompt is non-empty token ids of this model's vocabulary."""
+        vocab = self.model.config.vocab_size
         if not prompt_ids:
             raise RequestError("prompt_ids must not be empty")
-        bad = next((t for t in prompt_ids if not 0 <= int(t) < config.vocab_size), None)
+        bad = next((t for t in prompt_ids if not 0 <= int(t) < vocab), None)
         if bad is not None:
-            raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {config.vocab_size})")
+            raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def validate(self, prompt_ids: Sequence[int], params: DecodeParams) -> DecodeParams:
+        """The request's parameters with the model's defaults filled; RequestError if unusable."""
+        self.check_prompt(prompt_ids)
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise RequestError(f"at most {self.config.max_logprobs} top logprobs per token can be returned "
+                               f"(--max-logprobs), got {params.logprobs}", param="logprobs")
         total = len(prompt_ids) + params.gen_length
         if total > self.max_model_len:
             raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
@@ -143,7 +151,35 @@ class Engine:
                                           inputs.in_block, self.model.special.mask_id, self._end_ids)
         self.runner.commit(step_rows, inputs, new_tokens)
         host = summary.tolist()  # the step's one device-to-host transfer
-        return self.scheduler.postprocess(rows, host, inputs.fed_tokens)
+        columns = LogprobColumns(step_rows.width, step_rows.logprob_k) if step_rows.logprob_k >= 0 else None
+        return self.scheduler.postprocess(rows, host, inputs.fed_tokens, columns)
+
+    # ------------------------------------------------------------------ likelihood
+
+    def check_score(self, prompt_ids: Sequence[int], samples: int) -> None:
+        """RequestError unless scoring this prompt fits the model's context and `max_score_tokens`."""
+        self.check_prompt(prompt_ids)
+        if len(prompt_ids) > self.max_model_len:
+            raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
+                               f"has {len(prompt_ids)}", code="context_length_exceeded")
+        cost = scoring_cost(len(prompt_ids), samples)
+        if cost > self.config.max_score_tokens:
+            raise RequestError(f"scoring {len(prompt_ids)} tokens with {samples} samples per split feeds the model "
+                               f"{cost} tokens, above this server's limit of {self.config.max_score_tokens} "
+                               f"(--max-score-tokens); use fewer samples or a shorter prompt",
+                               param="score_samples", code="scoring_too_large")
+
+    @torch.no_grad()
+    def score(self, prompt_ids: Sequence[int], samples: Optional[int] = None,
+              seed: int = 0) -> list[Optional[float]]:
+        """Per-token log-likelihood estimates of a prompt (LLaDA's Monte-Carlo estimator, made
+        per-token so that any suffix sums to the estimate for that continuation: engine.scoring).
+        None for the first token. Seeded: the same call gives the same numbers. Runs on the calling
+        thread; do not call it while another thread steps this engine."""
+        ids = [int(t) for t in prompt_ids]
+        samples = samples if samples is not None else DecodeParams().score_samples
+        self.check_score(ids, samples)
+        return prompt_logprobs(self.model, ids, samples, seed)
 
     # ------------------------------------------------------------------ offline batches
 

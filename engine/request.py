@@ -16,7 +16,7 @@ import torch
 
 from engine.decoding.params import DecodeParams
 from engine.decoding.policies import dream_quota, dream_transfer_fractions, fixed_quota
-from engine.decoding.types import GenerationRequest, GenerationResult, RequestStats
+from engine.decoding.types import GenerationRequest, GenerationResult, RequestStats, TokenLogprob
 
 FORWARD_FULL, FORWARD_DUAL, FORWARD_PREFIX = "full", "dual", "prefix"
 
@@ -27,7 +27,9 @@ class StepOutput:
 
     `new_token_ids` are the generated tokens that became final since the row's last output (no
     mask before them), up to and including the first end token; concatenated over a request's
-    outputs they are its response followed by its end token, if any. `fed_tokens` is the row's
+    outputs they are its response followed by its end token, if any (with `ignore_eos`, every
+    generated token). `new_logprobs` are their logprobs when the request asked for them (else
+    empty). `fed_tokens` is the row's
     share of the step's work (tokens it fed to the model). `result` is set once, on the step that
     finished the row."""
 
@@ -36,6 +38,7 @@ class StepOutput:
     committed: int
     fed_tokens: int
     result: Optional[GenerationResult] = None
+    new_logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -62,7 +65,7 @@ class Request:
         self.steps_per_block = params.steps_per_block
         self.policy = params.policy
         self.mask_id = mask_id
-        self.end_ids = end_ids
+        self.end_ids = frozenset() if params.ignore_eos else end_ids  # ignore_eos: no token ends the response
         self.dream_fractions = (dream_transfer_fractions(self.steps_per_block, params.eps)
                                 if params.policy.startswith("dream-") else None)
         self.queued_at = queued_at
@@ -72,6 +75,9 @@ class Request:
         self.masked_now = self.block_length  # masks left in the current block
         self.masked_at_block_start = self.block_length
         self.generated = [mask_id] * self.gen_length  # host mirror of the canvas after the prompt
+        # each generated position's logprobs, written at the step that commits it (when asked for)
+        self.logprobs: Optional[list[Optional[TokenLogprob]]] = (
+            [None] * self.gen_length if params.logprobs is not None else None)
         self.emitted = 0  # generated tokens already reported in a StepOutput
         self.end_emitted = False
         self.generator: Optional[torch.Generator] = None
@@ -108,18 +114,21 @@ class Request:
         return dream_quota(self.masked_now, self.dream_fractions[min(self.step, self.steps_per_block - 1)],
                            last_step=self.step >= self.steps_per_block - 1)
 
-    def take_new_final(self, stable: int) -> tuple[int, ...]:
-        """The generated tokens in [emitted, stable) not yet reported, stopping after an end token."""
+    def take_new_final(self, stable: int) -> tuple[tuple[int, ...], tuple[TokenLogprob, ...]]:
+        """The generated tokens in [emitted, stable) not yet reported, stopping after an end token,
+        and their logprobs (empty unless asked for)."""
         if self.end_emitted or stable <= self.emitted:
-            return ()
-        new = self.generated[self.emitted:stable]
+            return (), ()
+        start = self.emitted
+        new = self.generated[start:stable]
         for i, token in enumerate(new):
             if token in self.end_ids:
                 new = new[:i + 1]
                 self.end_emitted = True
                 break
         self.emitted = stable
-        return tuple(new)
+        logprobs = () if self.logprobs is None else tuple(self.logprobs[start:start + len(new)])
+        return tuple(new), logprobs  # type: ignore[return-value]
 
     def first_end(self) -> Optional[int]:
         return next((i for i, t in enumerate(self.generated) if t in self.end_ids), None)

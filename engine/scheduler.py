@@ -20,8 +20,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Optional
 
-from engine.decoding.decide import SUMMARY_COLUMNS
-from engine.decoding.types import FINISH_LENGTH, FINISH_STOP, GenerationResult
+from engine.decoding.decide import SUMMARY_COLUMNS, LogprobColumns
+from engine.decoding.types import FINISH_LENGTH, FINISH_STOP, GenerationResult, TokenLogprob
 from engine.request import Request, StepOutput
 
 _COMMITTED, _STILL_MASKED, _FORCED, _GRINDING, _END_POS, _BAND_HIGH, _BAND_LOW, _FIRST_MASKED = range(
@@ -100,18 +100,23 @@ class Scheduler:
         heapq.heappush(self._free_slots, request.slot)
         self._known.discard(request.request_id)
 
-    def postprocess(self, rows: Sequence[Request], summary: list[list[int]], fed: Sequence[int]) -> list[StepOutput]:
-        """Advance every row by the step's host summary; finished rows leave the batch."""
+    def postprocess(self, rows: Sequence[Request], summary: list[list[int]], fed: Sequence[int],
+                    logprobs: Optional[LogprobColumns] = None) -> list[StepOutput]:
+        """Advance every row by the step's host summary; finished rows leave the batch. `logprobs`
+        says where the summary keeps them, when a row of the step asked for them."""
         outputs: list[StepOutput] = []
         finished: list[Request] = []
         for request, info, fed_tokens in zip(rows, summary, fed, strict=True):
             # generated tokens that can no longer change: no mask before them
             stable = request.block_start - request.prompt_len + min(info[_FIRST_MASKED], request.block_length)
+            if request.logprobs is not None and logprobs is not None:
+                self._record_logprobs(request, info, logprobs)
             result = self._advance(request, info)
             if result is not None:
                 stable = len(result.generated_ids)
-            outputs.append(StepOutput(request.request_id, request.take_new_final(stable), info[_COMMITTED],
-                                      fed_tokens, result))
+            new_ids, new_logprobs = request.take_new_final(stable)
+            outputs.append(StepOutput(request.request_id, new_ids, info[_COMMITTED], fed_tokens, result,
+                                      new_logprobs))
             if result is not None:
                 finished.append(request)
         if finished:
@@ -121,6 +126,17 @@ class Scheduler:
                 for request in finished:
                     self._release(request)
         return outputs
+
+    @staticmethod
+    def _record_logprobs(request: Request, info: list[int], columns: LogprobColumns) -> None:
+        """The logprobs of the positions this step committed (masked before it, a token after)."""
+        offset = request.block_start - request.prompt_len
+        k = request.params.logprobs or 0
+        for position in range(request.block_length):
+            token = info[_TOKENS + position]
+            if request.generated[offset + position] == request.mask_id and token != request.mask_id:
+                chosen, top = columns.read(info, position)
+                request.logprobs[offset + position] = TokenLogprob(token, chosen, top[:k])  # type: ignore[index]
 
     def _advance(self, request: Request, info: list[int]) -> Optional[GenerationResult]:
         offset = request.block_start - request.prompt_len
@@ -137,7 +153,7 @@ class Scheduler:
             bands[1] += request.masked_now - info[_BAND_HIGH] - info[_BAND_LOW]
             bands[2] += info[_BAND_LOW]
         request.masked_now = info[_STILL_MASKED]
-        if request.params.early_exit and info[_END_POS] < width:
+        if request.params.stops_at_end and info[_END_POS] < width:
             stats.steps_per_block.append(request.step + 1)
             end = offset + info[_END_POS]
             return self._result(request, FINISH_STOP, request.generated[:end + 1], end)
@@ -156,5 +172,6 @@ class Scheduler:
     @staticmethod
     def _result(request: Request, reason: str, generated: list[int], end: Optional[int]) -> GenerationResult:
         request.stats.wall_time = time.perf_counter() - request.started
+        logprobs = None if request.logprobs is None else list(request.logprobs[:len(generated)])
         return GenerationResult(request.request_id, request.prompt_ids, generated, reason, request.stats,
-                                end_index=end)
+                                end_index=end, logprobs=logprobs)  # type: ignore[arg-type]

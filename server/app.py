@@ -19,6 +19,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -29,18 +30,22 @@ from server.energy import EnergyMeter, open_meter
 from server.errors import APIError, error_response
 from server.metrics import Metrics
 from server.protocol import (
-    UNSUPPORTED_CHAT,
-    UNSUPPORTED_COMPLETION,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeRequest,
 )
 from server.scheduler import EngineLoop
 from server.serving import Serving
 from server.settings import ServerSettings
 
 EngineFactory = Callable[[ServerSettings], Engine]
+# vLLM's tokenizer routes live outside /v1 but use the model: the API key guards them too
+_GUARDED_OUTSIDE_V1 = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
 
 
 def package_version() -> str:
@@ -73,6 +78,11 @@ class AppState:
     def start(self, factory: EngineFactory) -> None:
         try:
             engine = factory(self.settings)
+            template = self.settings.chat_template_text()
+            if template is not None:
+                if engine.tokenizer is None:
+                    raise ValueError("--chat-template needs a checkpoint with a tokenizer")
+                engine.tokenizer.chat_template = template
             meter = self.meter or open_meter(self.settings.device)
             self.meter = meter
             loop = EngineLoop(engine, self.settings.max_queue, self.metrics, meter,
@@ -110,6 +120,9 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
     openapi.install(app)
 
     app.add_middleware(GuardMiddleware, state=state)
+    if settings.allowed_origins:  # outside the guard, so a browser's preflight needs no API key
+        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"])
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, err: APIError) -> JSONResponse:
@@ -126,7 +139,7 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
     async def internal_error(_: Request, err: Exception) -> JSONResponse:
         return error_response(500, f"Internal server error: {type(err).__name__}", code="internal_error")
 
-    async def read_body(request: Request, model: type, unsupported: dict[str, Any]) -> Any:
+    async def read_json(request: Request) -> dict:
         raw = bytearray()
         async for piece in request.stream():
             raw.extend(piece)
@@ -141,44 +154,79 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
                            code="invalid_json") from None
         if not isinstance(data, dict):
             raise APIError(400, "Request body must be a JSON object", code="invalid_json")
+        return data
+
+    async def read_body(request: Request, model: type) -> Any:
+        data = await read_json(request)
+        if model is TokenizeRequest:  # the two shapes are told apart by their fields, never guessed
+            if ("prompt" in data) == ("messages" in data):
+                raise APIError(400, "send exactly one of 'prompt' or 'messages'", param="prompt")
+            model = TokenizeCompletionRequest if "prompt" in data else TokenizeChatRequest
         try:
             body = model.model_validate(data)
         except ValidationError as err:
             first = err.errors()[0]
             # union members appear in the location as tags ("constrained-str", "list[int]"): not field names
-            param = ".".join(str(p) for p in first["loc"] if isinstance(p, int) or str(p).isidentifier()) or None
+            param = ".".join(str(p) for p in first["loc"]
+                             if isinstance(p, int) or (str(p).isidentifier() and not str(p)[0].isupper())) or None
             message = first["msg"]
+            if first["type"] == "extra_forbidden":
+                raise APIError(400, f"unknown parameter '{param}'", param=param, code="unknown_parameter") from None
+            if first["type"] == "unsupported_value":
+                raise APIError(400, f"{param}: this value is not supported: {message}", param=param,
+                               code="unsupported_parameter") from None
             if param == "prompt" and len(err.errors()) > 1:
                 message = ("must be a non-empty string, a non-empty list of strings, a non-empty list of token ids "
                            "(>= 0), or a non-empty list of such lists")
             raise APIError(400, f"{param}: {message}" if param else message, param=param) from None
         except RecursionError:
             raise APIError(400, "Request body is nested too deeply", code="invalid_json") from None
-        rejected = body.rejected_field(unsupported)
-        if rejected is not None:
-            raise APIError(400, rejected[1], param=rejected[0], code="unsupported_parameter")
         return body
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         serving = state.require_serving()
-        body = await read_body(request, CompletionRequest, UNSUPPORTED_COMPLETION)
+        body = await read_body(request, CompletionRequest)
         return await serving.completions(body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         serving = state.require_serving()
-        body = await read_body(request, ChatCompletionRequest, UNSUPPORTED_CHAT)
+        body = await read_body(request, ChatCompletionRequest)
         return await serving.chat(body, request)
+
+    def model_card() -> ModelCard:
+        serving = state.require_serving()
+        assert state.engine is not None and state.meter is not None
+        return ModelCard(id=settings.model_name, created=int(state.started), root=settings.model,
+                         max_model_len=serving.max_model_len, architecture=state.engine.architecture,
+                         energy_meter=state.meter.name)
 
     @app.get("/v1/models")
     async def models() -> Any:
+        return ModelList(data=[model_card()]).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_info(model_id: str) -> Any:
+        card = model_card()
+        if model_id != card.id:
+            raise APIError(404, f"The model '{model_id}' does not exist; this server serves '{card.id}'",
+                           param="model", code="model_not_found")
+        return card.model_dump()
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Any:
         serving = state.require_serving()
-        assert state.engine is not None and state.meter is not None
-        card = ModelCard(id=settings.model_name, created=int(state.started), root=settings.model,
-                         max_model_len=serving.max_model_len, architecture=state.engine.architecture,
-                         energy_meter=state.meter.name)
-        return ModelList(data=[card]).model_dump()
+        return serving.tokenize(await read_body(request, TokenizeRequest))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Any:
+        return state.require_serving().tokenizer_info().model_dump()
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Any:
+        serving = state.require_serving()
+        return serving.detokenize(await read_body(request, DetokenizeRequest))
 
     @app.get("/health")
     async def health() -> Response:
@@ -232,7 +280,7 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         state, settings = self.state, self.state.settings
-        guarded = scope["path"].startswith("/v1")
+        guarded = scope["path"].startswith("/v1") or scope["path"] in _GUARDED_OUTSIDE_V1
         if guarded:
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
             refusal = None

@@ -43,6 +43,13 @@ def _decode_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in field_types() if getattr(args, name) is not None}
 
 
+def _json_list(raw: str) -> list[str]:
+    value = json.loads(raw)
+    if not isinstance(value, list):
+        raise argparse.ArgumentTypeError("must be a JSON list")
+    return value
+
+
 def _shown(value: Any) -> str:
     return str(value).replace("%", "%%")  # help strings are %-formatted
 
@@ -296,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_setting(engine, "max_model_len", type=int, help="prompt + canvas limit", unset="the model's context")
     _add_setting(engine, "use_flash_attn", action=argparse.BooleanOptionalAction,
                  help="FlashAttention kernels", unset="when installed and usable")
+    _add_setting(engine, "max_logprobs", type=int, help="most top logprobs a request may ask for per token")
     _add_setting(engine, "compile_decide", action=argparse.BooleanOptionalAction,
                  help="compile the decide step (torch.compile): less host time a step, seconds of compiling "
                       "per new batch shape at the start")
@@ -315,6 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
                  help="after a step frees rows, hold the next step at most this long for the requests "
                       "that will fill them, when recent refills came that soon (0: never wait)")
     _add_setting(sv, "log_level", choices=LOG_LEVELS, help="uvicorn's log level")
+    _add_setting(sv, "allowed_origins", type=_json_list,
+                 help='JSON list of origins allowed to call the API from a browser (CORS), e.g. \'["*"]\'',
+                 unset="none: CORS off")
+    _add_setting(sv, "chat_template", help="a Jinja chat template file (or the template itself) used instead of "
+                                           "the checkpoint's", unset="the checkpoint's")
     serve.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="benchmarks against a running server").add_subparsers(

@@ -10,7 +10,19 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from server.protocol import ChatCompletionRequest, CompletionRequest, DecodingSummary, ModelList, Usage
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DecodingSummary,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenizerInfo,
+    Usage,
+)
 
 _REF = "#/components/schemas/{model}"
 
@@ -47,6 +59,18 @@ _ROUTES: dict[tuple[str, str], dict[str, Any]] = {
                                        "errors": _GENERATION_ERRORS},
     ("/v1/models", "get"): {"ok": ModelList, "errors": {401: "Missing or wrong API key",
                                                         503: "Not ready or shutting down"}},
+    ("/v1/models/{model_id}", "get"): {"ok": ModelCard, "errors": {401: "Missing or wrong API key",
+                                                                   404: "Unknown model",
+                                                                   503: "Not ready or shutting down"}},
+    ("/tokenize", "post"): {"body": TokenizeRequest, "ok": TokenizeResponse, "errors": {
+        400: "Invalid request (the message names the parameter)", 401: "Missing or wrong API key",
+        404: "Unknown model", 413: "Request body too large", 503: "Not ready or shutting down"}},
+    ("/tokenizer_info", "get"): {"ok": TokenizerInfo, "errors": {401: "Missing or wrong API key",
+                                                                 404: "The model has no tokenizer",
+                                                                 503: "Not ready or shutting down"}},
+    ("/detokenize", "post"): {"body": DetokenizeRequest, "ok": DetokenizeResponse, "errors": {
+        400: "Invalid request (the message names the parameter)", 401: "Missing or wrong API key",
+        404: "Unknown model", 413: "Request body too large", 503: "Not ready or shutting down"}},
     ("/health", "get"): {"errors": {503: "Engine dead, stalled, or the model failed to load"}},
     ("/ready", "get"): {"errors": {503: "Loading or shutting down"}},
 }

@@ -10,17 +10,21 @@ one mapping from engine outcomes to OpenAI's finish_reason.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from engine import GenerationResult
+from engine.decoding.types import TokenLogprob
 
 # Tokens before the new ones that are decoded with them, so a word split across steps is rendered
 # as the tokenizer would render it whole (vLLM keeps a similar window).
 _CONTEXT_TOKENS = 6
 
 
-def finish_reason_of(engine_reason: str, stopped_by_string: bool) -> str:
+def finish_reason_of(engine_reason: str, stopped_by_string: bool, cut_at_max_tokens: bool = False) -> str:
     """The one mapping from engine outcomes to OpenAI's finish_reason."""
+    if cut_at_max_tokens:
+        return "length"
     if stopped_by_string or engine_reason == "stop":
         return "stop"
     if engine_reason == "length":
@@ -82,21 +86,51 @@ class IncrementalDetokenizer:
             self._read = len(self.ids)
 
 
+@dataclass(frozen=True)
+class LoggedToken:
+    """A response token with its logprobs and where its text starts in the response (vLLM's
+    text_offset: the token decoded on its own, offsets summed over the tokens before it)."""
+
+    text: str
+    offset: int
+    logprob: Optional[TokenLogprob]  # None: an echoed prompt's first token (nothing to condition it on)
+
+
+@dataclass(frozen=True)
+class Echo:
+    """An echoed prompt: its text and, with logprobs, its tokens' likelihood estimates."""
+
+    text: str
+    logged: Optional[list[LoggedToken]]
+
+
 class ChoiceOutput:
-    """One choice's text as its deltas arrive; `take()` gives what may be sent now."""
+    """One choice's text as its deltas arrive; `take()` gives what may be sent now.
+
+    The response ends at the first end token, the first stop string or after `max_tokens` tokens
+    (the engine's canvas is whole blocks, so it may hold more: they are cut here, finish_reason
+    "length"). With `logprobs`, each kept token's logprobs are logged, and `take_logprobs()` gives
+    those of the tokens whose text has been taken."""
 
     def __init__(self, index: int, request_id: str, prompt_ids: Sequence[int], tokenizer: Optional[Any],
-                 end_ids: Collection[int], stops: Sequence[str]) -> None:
+                 end_ids: Collection[int], stops: Sequence[str], max_tokens: Optional[int] = None,
+                 logprobs: bool = False) -> None:
         self.index = index
         self.request_id = request_id
         self.prompt_ids = prompt_ids
+        self.tokenizer = tokenizer
         self.detokenizer = IncrementalDetokenizer(tokenizer)
         self.end_ids = end_ids
         self.stops = [s for s in stops if s]
+        self.max_tokens = max_tokens
         self.text = ""
         self.sent = 0
-        self.ended = False  # an end token or a stop string was seen: nothing after it counts
+        self.ended = False  # an end token, a stop string or max_tokens was reached: nothing after it counts
         self.stopped_by_string = False
+        self.cut_at_max_tokens = False
+        self.logged: Optional[list[LoggedToken]] = [] if logprobs else None
+        self._logged_sent = 0
+        self.echo: Optional[Echo] = None  # the prompt, when the request asked for it back
         self.result: Optional[GenerationResult] = None
         self.finish_reason: Optional[str] = None
         self.joules: Optional[float] = None
@@ -111,12 +145,24 @@ class ChoiceOutput:
     def token_ids(self) -> list[int]:
         return self.detokenizer.ids
 
-    def add(self, ids: Sequence[int]) -> None:
+    def add(self, ids: Sequence[int], logprobs: Sequence[TokenLogprob] = ()) -> None:
         if self.ended:
             return
+        end: Optional[int] = None  # where an end token cuts the response
         cut = next((i for i, t in enumerate(ids) if t in self.end_ids), None)
         if cut is not None:
-            ids, self.ended = ids[:cut], True
+            end, ids, self.ended = cut, ids[:cut], True
+        # as in vLLM, the end token counts as a token: a response of max_tokens tokens never gets it
+        wanted = len(self.token_ids) + len(ids) + (end is not None)
+        if self.max_tokens is not None and (wanted > self.max_tokens or
+                                            (wanted == self.max_tokens and end is None)):
+            self.cut_at_max_tokens = True
+            ids, self.ended, end = ids[:self.max_tokens - len(self.token_ids)], True, None
+        if self.logged is not None:
+            # the end token is logged too (a client scoring max_tokens: 1 expects that many entries)
+            self._log(ids, logprobs[:len(ids)])
+            if end is not None and end < len(logprobs):
+                self._log([logprobs[end].token_id], [logprobs[end]])
         self.detokenizer.add(ids)
         if self.ended:
             self.detokenizer.flush()
@@ -132,15 +178,52 @@ class ChoiceOutput:
                 text, self.ended, self.stopped_by_string = text[:at], True, True
         self.text = text
 
+    def _log(self, ids: Sequence[int], logprobs: Sequence[TokenLogprob]) -> None:
+        assert self.logged is not None
+        offset = self.logged[-1].offset + len(self.logged[-1].text) if self.logged else 0
+        for token, logprob in zip(ids, logprobs, strict=False):
+            text = self.token_text(token)
+            self.logged.append(LoggedToken(text, offset, logprob))
+            offset += len(text)
+
+    def token_text(self, token: int) -> str:
+        if self.tokenizer is None:
+            return str(token)
+        return self.tokenizer.decode([token])
+
     def finish(self, result: Optional[GenerationResult], joules: Optional[float] = None) -> None:
-        """The engine finished the row (result), or a stop string ended it early (None)."""
+        """The engine finished the row (result), or a stop string or max_tokens ended it early (None)."""
         self.result = result
         self.joules = joules
         if not self.ended:
             self.detokenizer.flush()
             self._update_text()
         self.ended = True
-        self.finish_reason = finish_reason_of(result.finish_reason if result else "stop", self.stopped_by_string)
+        self.finish_reason = finish_reason_of(result.finish_reason if result else "stop", self.stopped_by_string,
+                                              self.cut_at_max_tokens)
+
+    def finish_unstarted(self) -> None:
+        """max_tokens 0: nothing is generated, the response ends at once ("length")."""
+        self.cut_at_max_tokens = True
+        self.finish(None)
+
+    @property
+    def stopped_early(self) -> bool:
+        """The response ended before the engine finished the row: its row can be freed now."""
+        return self.stopped_by_string or self.cut_at_max_tokens
+
+    def take_logprobs(self) -> list[LoggedToken]:
+        """Logged tokens not given out yet whose text starts inside what has been taken (all that
+        the response keeps once it has finished)."""
+        if self.logged is None:
+            return []
+        limit = len(self.text) if self.finished else self.sent
+        end = self._logged_sent
+        while end < len(self.logged) and (self.logged[end].offset < limit or
+                                          (self.finished and not self.stopped_by_string)):
+            end += 1
+        piece, self._logged_sent = self.logged[self._logged_sent:end], end
+        return piece
 
     def take(self) -> str:
         """Text not sent yet that can no longer change."""

@@ -1,8 +1,10 @@
-"""OpenAI request and response bodies (pydantic), plus the fields we reject by name.
+"""OpenAI request and response bodies (pydantic).
 
-Unknown fields and OpenAI fields this server does not implement are rejected with a 400 naming the
-field, never silently ignored; a field sent with its OpenAI default value (e.g. `echo: false`) is
-accepted, since it asks for nothing we do not do.
+Every field a request may carry is declared, so the JSON schema (`/openapi.json`) is exactly what the
+server accepts: unknown fields are refused (`additionalProperties: false`), and the OpenAI and vLLM
+fields this server does not implement are declared with the only values that ask for nothing we do
+not do (`echo: false`, `presence_penalty: 0`, `tools: []`...): any other value is a 400 that names the
+field and says why (`NOT_SUPPORTED`).
 """
 
 from __future__ import annotations
@@ -12,53 +14,87 @@ import random
 import time
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, RootModel, WithJsonSchema, model_serializer
+from pydantic_core import PydanticCustomError
 
 from engine.decoding.types import RequestStats
 
-# OpenAI fields we do not implement, with the value that means "not used".
-UNSUPPORTED_COMPLETION = {"logprobs": None, "echo": False, "best_of": 1, "logit_bias": None, "suffix": None,
-                          "presence_penalty": 0, "frequency_penalty": 0}
-UNSUPPORTED_CHAT = {"logprobs": False, "top_logprobs": None, "logit_bias": None, "presence_penalty": 0,
-                    "frequency_penalty": 0, "tools": None, "tool_choice": None, "functions": None,
-                    "function_call": None, "response_format": None, "parallel_tool_calls": None,
-                    "audio": None, "modalities": None, "prediction": None, "reasoning_effort": None,
-                    "service_tier": None, "store": None, "metadata": None, "web_search_options": None}
+# Why a field is accepted only at its neutral value(s).
+_NO_PENALTIES = ("a diffusion decoder commits tokens in parallel and out of order, so there is no running "
+                 "history of generated tokens for a penalty to count")
+_NO_TOOLS = "tool and function calling are not implemented"
+NOT_SUPPORTED: dict[str, str] = {
+    "presence_penalty": _NO_PENALTIES,
+    "frequency_penalty": _NO_PENALTIES,
+    "repetition_penalty": _NO_PENALTIES,
+    "best_of": "best_of is not implemented; use n",
+    "logit_bias": "logit_bias is not implemented",
+    "suffix": "insertion (suffix) is not implemented",
+    "tools": _NO_TOOLS, "tool_choice": _NO_TOOLS, "functions": _NO_TOOLS, "function_call": _NO_TOOLS,
+    "parallel_tool_calls": _NO_TOOLS,
+    "response_format": "structured output is not implemented; only {\"type\": \"text\"}",
+    "audio": "audio output is not implemented", "modalities": "only text output",
+    "prediction": "predicted outputs are not implemented",
+    "reasoning_effort": "this model has no reasoning effort setting",
+    "web_search_options": "web search is not implemented",
+}
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 7.0 as an integer, and so do we (clients that write every number as a float)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def integer(**constraints: Any) -> Any:
+    """An integer field that also takes integral floats; the schema stays `type: integer` with its
+    bounds (the constraints must come before the validator for pydantic to write them)."""
+    return Annotated[int, Field(**constraints), BeforeValidator(_integral)]
+
+
+def neutral(field: str, allowed: list[Any]) -> Any:
+    """A type accepting only the values in `allowed` (compared as JSON compares them), documented as
+    an enum; anything else is refused with NOT_SUPPORTED[field]."""
+
+    def check(value: Any) -> Any:
+        if any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in allowed):
+            return value
+        raise PydanticCustomError("unsupported_value", "{why}", {"why": NOT_SUPPORTED[field]})
+
+    return Annotated[Any, BeforeValidator(check), WithJsonSchema({"enum": allowed})]
 
 
 # strict: a JSON value of the wrong type is refused, never coerced ("1" is not 1, 0.0 is not false)
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    def rejected_field(self, unsupported: dict[str, Any]) -> Optional[tuple[str, str]]:
-        """(field, message) for the first field we must refuse, or None."""
-        for name, value in (self.model_extra or {}).items():
-            if name in unsupported:
-                default = unsupported[name]
-                if value is None or value == default or (default is None and value in ({}, [])):
-                    continue
-                return name, f"'{name}' is not supported by this server"
-            return name, f"unknown parameter '{name}'"
-        return None
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
 class _Sampling(_Body):
     model: Optional[str] = None
-    max_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[integer(ge=0)] = None  # 0: nothing generated (with echo: only score the prompt)
     temperature: Optional[float] = Field(None, ge=0, le=2)
     top_p: Optional[float] = Field(None, gt=0, le=1)
-    seed: Optional[int] = Field(None, ge=0, le=2**63 - 1)
+    top_k: Optional[integer(ge=-1)] = None
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    ignore_eos: bool = False
+    seed: Optional[integer(ge=0, le=2**63 - 1)] = None
     stop: Optional[Union[str, list[str]]] = None
-    n: int = Field(1, ge=1)
+    n: integer(ge=1) = 1
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     decoding: Optional[dict[str, Any]] = None
+    presence_penalty: neutral("presence_penalty", [0, None]) = None  # type: ignore[valid-type]
+    frequency_penalty: neutral("frequency_penalty", [0, None]) = None  # type: ignore[valid-type]
+    repetition_penalty: neutral("repetition_penalty", [1, None]) = None  # type: ignore[valid-type]
+    logit_bias: neutral("logit_bias", [None, {}]) = None  # type: ignore[valid-type]
 
     @property
     def stop_strings(self) -> list[str]:
@@ -70,11 +106,15 @@ class _Sampling(_Body):
 # What the schema can say about a prompt; the vocabulary bound and the context length are checked at
 # run time (400, `context_length_exceeded` for the latter), as OpenAI does.
 _Text = Annotated[str, Field(min_length=1)]
-_Ids = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+_Ids = Annotated[list[integer(ge=0)], Field(min_length=1)]
 
 
 class CompletionRequest(_Sampling):
     prompt: Union[_Text, Annotated[list[_Text], Field(min_length=1)], _Ids, Annotated[list[_Ids], Field(min_length=1)]]
+    logprobs: Optional[integer(ge=0)] = None  # top alternatives per token (OpenAI: up to 5; here --max-logprobs)
+    echo: Optional[bool] = None  # the prompt comes back before the completion; with logprobs, scored
+    best_of: neutral("best_of", [1, None]) = None  # type: ignore[valid-type]
+    suffix: neutral("suffix", [None, ""]) = None  # type: ignore[valid-type]
 
 
 class ContentPart(BaseModel):
@@ -86,11 +126,13 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant", "developer"]
-    content: Union[str, list[ContentPart]]
+    content: Union[str, list[ContentPart], None]  # None: an empty message (OpenAI allows it for assistants)
     name: Optional[str] = None
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
@@ -98,7 +140,24 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[integer(ge=1)] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[integer(ge=0)] = None
+    tools: neutral("tools", [None, []]) = None  # type: ignore[valid-type]
+    tool_choice: neutral("tool_choice", [None, "none"]) = None  # type: ignore[valid-type]
+    functions: neutral("functions", [None, []]) = None  # type: ignore[valid-type]
+    function_call: neutral("function_call", [None, "none"]) = None  # type: ignore[valid-type]
+    parallel_tool_calls: neutral("parallel_tool_calls", [None, False, True]) = None  # type: ignore[valid-type]
+    response_format: neutral("response_format", [None, {"type": "text"}]) = None  # type: ignore[valid-type]
+    audio: neutral("audio", [None]) = None  # type: ignore[valid-type]
+    modalities: neutral("modalities", [None, ["text"]]) = None  # type: ignore[valid-type]
+    prediction: neutral("prediction", [None]) = None  # type: ignore[valid-type]
+    reasoning_effort: neutral("reasoning_effort", [None]) = None  # type: ignore[valid-type]
+    web_search_options: neutral("web_search_options", [None]) = None  # type: ignore[valid-type]
+    # accepted and unused: they ask for nothing that changes the answer
+    service_tier: Optional[str] = None
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
 
 
 class Usage(BaseModel):
@@ -135,11 +194,35 @@ class DecodingSummary(BaseModel):
 # ------------------------------------------------------------------------------ response bodies
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions logprobs: per token its text, log p, the top alternatives (the
+    chosen token included, as vLLM does) and where its text starts in the response."""
+
+    tokens: list[str]
+    token_logprobs: list[Optional[float]]  # None for an echoed prompt's first token, as in OpenAI
+    top_logprobs: list[Optional[dict[str, float]]]
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobEntry]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: Optional[str]
-    logprobs: None = None
+    logprobs: Optional[CompletionLogprobs] = None
     decoding: Optional[DecodingSummary] = None
 
 
@@ -166,7 +249,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: Optional[str]
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
     decoding: Optional[DecodingSummary] = None
 
 
@@ -189,7 +272,7 @@ class ChatStreamChoice(BaseModel):
     index: int
     delta: ChatDelta
     finish_reason: Optional[str] = None
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
     decoding: Optional[DecodingSummary] = None
 
 
@@ -229,3 +312,50 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ------------------------------------------------------------------------------ /tokenize, /detokenize (vLLM's)
+
+
+class TokenizeCompletionRequest(_Body):
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = True  # accepted for vLLM's sake: these checkpoints add none to plain text
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Body):
+    model: Optional[str] = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class TokenizeRequest(RootModel[Union[TokenizeCompletionRequest, TokenizeChatRequest]]):
+    """A prompt (as /v1/completions takes it) or chat messages (rendered with the chat template)."""
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class TokenizerInfo(BaseModel):
+    tokenizer_class: str
+    eos_token: Optional[str] = None
+    bos_token: Optional[str] = None
+    pad_token: Optional[str] = None
+    chat_template: Optional[str] = None
+    model_max_length: int
+
+
+class DetokenizeRequest(_Body):
+    model: Optional[str] = None
+    tokens: list[integer(ge=0)]  # type: ignore[valid-type]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -17,11 +17,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from engine import Engine, GenerationRequest, GenerationResult, StepOutput
+from engine.decoding.types import TokenLogprob
 from server.admission import RefillTracker, admission_limit
 from server.energy import EnergyMeter, share_energy
 from server.metrics import Metrics
@@ -38,6 +40,7 @@ class Event:
     kind: str  # "delta" (token ids that became final), "done" (result, with the last ids), "error" (message)
     choice: int
     ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()  # of `ids`, when the request asked for them
     result: Optional[GenerationResult] = None
     message: str = ""
     joules: Optional[float] = None
@@ -54,9 +57,19 @@ class Submission:
     first_token: Optional[float] = None
     joules: float = 0.0
     held: list[int] = field(default_factory=list)  # a whole response's deltas, until it finishes
+    held_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def post(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+
+def _settle(future: asyncio.Future, result: Any, error: Optional[BaseException]) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def _deliver(events: Sequence[tuple[asyncio.Queue, Event]]) -> None:
@@ -80,6 +93,7 @@ class EngineLoop:
         self.steps = 0
         self.step_seconds = 0.0  # moving average of a step's duration, for the admission wait
         self._refills = RefillTracker(horizon=2 * admission_wait)
+        self._jobs: deque[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future]] = deque()
         self._thread = threading.Thread(target=self._run, name="cai-dllm-engine", daemon=True)
 
     # ------------------------------------------------------------------ called from the event loop
@@ -104,7 +118,7 @@ class EngineLoop:
     def num_pending(self) -> int:
         """Requests waiting or decoding."""
         with self._lock:
-            return len(self._active)
+            return len(self._active) + len(self._jobs)
 
     def submit(self, submission: Submission) -> None:
         """Queue a request in the engine; raises QueueFull, or the engine's RequestError for a
@@ -121,6 +135,19 @@ class EngineLoop:
         self._update_gauges()
         self._wake.set()
 
+    def run_job(self, job: Callable[[], Any]) -> asyncio.Future:
+        """Run `job` (model work outside decoding: likelihood scoring) on the engine thread between two
+        steps, so nothing else uses the model meanwhile; the future gets its result or exception.
+        Jobs count against the waiting queue (QueueFull)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            if self.engine.num_waiting + len(self._jobs) >= self.max_queue:
+                raise QueueFull
+            self._jobs.append((job, loop, future))
+        self._wake.set()
+        return future
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._active.pop(request_id, None)
@@ -129,11 +156,30 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ the engine thread
 
+    def _run_one_job(self) -> bool:
+        """Run the oldest waiting job, if any (one per step, so decoding rows keep moving)."""
+        with self._lock:
+            if not self._jobs:
+                return False
+            job, loop, future = self._jobs.popleft()
+        if future.cancelled():  # its client went away while it waited
+            return True
+        try:
+            result, error = job(), None
+        except Exception as err:  # handed to the request that asked, as its own failure
+            result, error = None, err
+        self.last_progress = time.monotonic()
+        loop.call_soon_threadsafe(_settle, future, result, error)
+        return True
+
     def _run(self) -> None:
         freed = 0
         while not self._stop.is_set():
+            ran_job = self._run_one_job()
             self._await_arrivals(freed)
             if not self.engine.has_unfinished():
+                if ran_job:
+                    continue
                 self.last_progress = time.monotonic()
                 self._wake.wait(_IDLE_WAIT)
                 self._wake.clear()
@@ -223,18 +269,19 @@ class EngineLoop:
             if not output.new_token_ids:
                 return None
             if sub.stream:
-                return Event("delta", sub.choice, ids=output.new_token_ids)
+                return Event("delta", sub.choice, ids=output.new_token_ids, logprobs=output.new_logprobs)
             sub.held.extend(output.new_token_ids)
+            sub.held_logprobs.extend(output.new_logprobs)
             return None
         with self._lock:
             self._active.pop(output.request_id, None)
         self._observe_finish(sub, output.result, now)
-        ids = output.new_token_ids
+        ids, logprobs = output.new_token_ids, output.new_logprobs
         if sub.held:
-            ids = (*sub.held, *ids)
-            sub.held = []
+            ids, logprobs = (*sub.held, *ids), (*sub.held_logprobs, *logprobs)
+            sub.held, sub.held_logprobs = [], []
         joules = sub.joules if self.meter.name != "none" else None
-        return Event("done", sub.choice, ids=ids, result=output.result, joules=joules)
+        return Event("done", sub.choice, ids=ids, logprobs=logprobs, result=output.result, joules=joules)
 
     def _observe_finish(self, sub: Submission, result: GenerationResult, now: float) -> None:
         m = self.metrics

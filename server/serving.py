@@ -1,10 +1,12 @@
 """From an OpenAI request to engine submissions, and from engine events to JSON or SSE chunks.
 
 - decoding knobs: model defaults <- `--default-decoding` <- the request's `decoding` object <- its
-  OpenAI fields (`temperature`, `seed`, `top_p`, `max_tokens`); the engine validates the request and
-  fills the model's defaults once, when it is submitted;
-- `max_tokens` is the generation canvas, rounded up to whole blocks (block_length, 32 by default;
-  Dream's own policies decode one block of exactly max_tokens);
+  OpenAI and vLLM fields (`temperature`, `seed`, `top_p`, `top_k`, `min_p`, `ignore_eos`, logprobs,
+  `max_tokens`); the engine validates the request and fills the model's defaults once, when it is
+  submitted;
+- `max_tokens` sets the generation canvas, rounded up to whole blocks (block_length, 32 by default;
+  Dream's own policies decode one block of exactly max_tokens), and is a ceiling: the output path
+  cuts the response at max_tokens tokens (finish_reason "length") and frees the row;
 - one loop (`_run`) serves streamed and whole responses alike: it feeds each choice's token deltas
   to its `ChoiceOutput` (server/output.py: incremental detokenization, end tokens, stop strings,
   finish reasons) and yields what may be sent; a whole response is the same pieces joined.
@@ -17,6 +19,7 @@ import json
 import math
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any, Optional, Union
 
 from fastapi import Request
@@ -24,10 +27,11 @@ from fastapi.responses import Response, StreamingResponse
 
 from engine import Engine, RequestError
 from engine.decoding import DecodeParamError, DecodeParams, GenerationRequest
+from engine.decoding.types import TokenLogprob
 from engine.loading.tokenizer import encode_text
 from server.errors import APIError, error_body
 from server.metrics import Metrics
-from server.output import ChoiceOutput
+from server.output import ChoiceOutput, Echo, LoggedToken
 from server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -35,11 +39,22 @@ from server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
+    ChatMessage,
     ChatStreamChoice,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DecodingSummary,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    TokenizerInfo,
+    TokenLogprobEntry,
+    TopLogprob,
     Usage,
     new_id,
     now,
@@ -51,6 +66,47 @@ DEFAULT_BLOCK = 32
 RETRY_AFTER_SECONDS = 1
 # How often a request waiting on the engine checks whether its client is still there.
 _DISCONNECT_POLL_SECONDS = 0.25
+
+
+def completion_logprobs(choice: ChoiceOutput, logged: list[LoggedToken], echoed: Optional[list[LoggedToken]] = None,
+                        shift: int = 0) -> Optional[CompletionLogprobs]:
+    """The legacy completions `logprobs` object of these tokens, after the echoed prompt's when given,
+    the generated tokens' offsets moved past the prompt text by `shift` (None when not asked for)."""
+    if choice.logged is None:
+        return None
+    entries = [*(echoed or []), *(LoggedToken(e.text, e.offset + shift, e.logprob) for e in logged)]
+    tops: list[Optional[dict[str, float]]] = []
+    for entry in entries:
+        if entry.logprob is None:
+            tops.append(None)
+            continue
+        top = {choice.token_text(token): value for token, value in entry.logprob.top}
+        top.setdefault(entry.text, entry.logprob.logprob)
+        tops.append(top)
+    return CompletionLogprobs(tokens=[e.text for e in entries],
+                              token_logprobs=[None if e.logprob is None else e.logprob.logprob for e in entries],
+                              top_logprobs=tops, text_offset=[e.offset for e in entries])
+
+
+def _echoed(choice: ChoiceOutput) -> tuple[Optional[list[LoggedToken]], int]:
+    """The echoed prompt's logged tokens and the length of its text (what generated offsets move by)."""
+    if choice.echo is None:
+        return None, 0
+    return choice.echo.logged, len(choice.echo.text)
+
+
+def chat_logprobs(choice: ChoiceOutput, logged: list[LoggedToken]) -> Optional[ChatLogprobs]:
+    """The chat `logprobs` object of these tokens (None when not asked for)."""
+    if choice.logged is None:
+        return None
+
+    def top(text: str, value: float) -> dict[str, Any]:
+        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+    return ChatLogprobs(content=[TokenLogprobEntry(
+        **top(e.text, e.logprob.logprob),
+        top_logprobs=[TopLogprob(**top(choice.token_text(t), v)) for t, v in e.logprob.top])
+        for e in logged if e.logprob is not None])
 
 
 def _json(body: Any) -> Response:
@@ -71,18 +127,43 @@ class Serving:
 
     # ------------------------------------------------------------------ requests -> engine
 
+    @staticmethod
+    def _logprobs_field(body: Union[CompletionRequest, ChatCompletionRequest]) -> str:
+        return "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+
+    @staticmethod
+    def _logprobs(body: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[int]:
+        """Top alternatives per token the request asks for (None: no logprobs)."""
+        if isinstance(body, CompletionRequest):
+            return body.logprobs
+        if body.logprobs:
+            return body.top_logprobs or 0
+        if body.top_logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return None
+
     def _params(self, body: Union[CompletionRequest, ChatCompletionRequest], max_tokens: Optional[int]) -> DecodeParams:
         knobs: dict[str, Any] = {**self._defaults, **(body.decoding or {})}
-        for name in ("temperature", "seed", "top_p"):
+        for name in ("temperature", "seed", "top_p", "top_k", "min_p"):
             if getattr(body, name) is not None:
                 knobs[name] = getattr(body, name)
+        if body.ignore_eos:
+            knobs["ignore_eos"] = True
+        logprobs = self._logprobs(body)
+        if logprobs is not None:
+            knobs["logprobs"] = logprobs
         if max_tokens is not None:
             knobs["gen_length"] = self._canvas(max_tokens, knobs)
         try:
             params = DecodeParams.from_dict(knobs)
         except DecodeParamError as err:
             from_body = err.param in (body.decoding or {}) or err.param == "gen_length"
-            param = "max_tokens" if err.param == "gen_length" else (f"decoding.{err.param}" if from_body else err.param)
+            if err.param == "gen_length":
+                param = "max_tokens"
+            elif err.param == "logprobs" and "logprobs" not in (body.decoding or {}):
+                param = self._logprobs_field(body)
+            else:
+                param = f"decoding.{err.param}" if from_body else err.param
             raise APIError(400, str(err), param=param) from None
         except TypeError as err:
             raise APIError(400, f"invalid decoding object: {err}", param="decoding") from None
@@ -124,18 +205,23 @@ class Serving:
         return prompts
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        return self._chat_ids(body.messages, add_generation_prompt=True)
+
+    def _chat_ids(self, chat: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
         from engine.chat import chat_prompt_ids
 
         if self.engine.tokenizer is None or not getattr(self.engine.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in body.messages]
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in chat]
         try:
-            return chat_prompt_ids(self.engine.tokenizer, messages)
+            return chat_prompt_ids(self.engine.tokenizer, messages, add_generation_prompt=add_generation_prompt)
         except Exception as err:  # the checkpoint's template refused these messages
             raise APIError(400, f"the chat template cannot render these messages: {err}", param="messages") from None
 
-    def _submit_all(self, prompts: list[list[int]], params: DecodeParams, n: int, stream: bool,
-                    stops: list[str]) -> tuple[list[ChoiceOutput], asyncio.Queue]:
+    def _submit_all(self, body: Union[CompletionRequest, ChatCompletionRequest], prompts: list[list[int]],
+                    params: DecodeParams, max_tokens: Optional[int]) -> tuple[list[ChoiceOutput], asyncio.Queue]:
+        n, stream, stops = body.n, body.stream, body.stop_strings
+        end_ids = frozenset() if params.ignore_eos else self.end_ids
         if len(prompts) * n > self.settings.max_n:
             raise APIError(400, f"n x prompts = {len(prompts) * n} exceeds this server's limit of "
                            f"{self.settings.max_n} completions per request", param="n")
@@ -143,6 +229,18 @@ class Serving:
         loop = asyncio.get_running_loop()
         choices: list[ChoiceOutput] = []
         submitted: list[str] = []
+        if max_tokens == 0:  # nothing to decode: every choice ends at once
+            for ids in prompts:
+                try:
+                    self.engine.check_prompt(ids)
+                except RequestError as err:
+                    raise APIError(400, str(err), param="prompt") from None
+            choices = [ChoiceOutput(p_index * n + j, new_id("req"), ids, self.engine.tokenizer, end_ids, stops, 0,
+                                    logprobs=params.logprobs is not None)
+                       for p_index, ids in enumerate(prompts) for j in range(n)]
+            for choice in choices:
+                choice.finish_unstarted()
+            return choices, queue
         try:
             for p_index, ids in enumerate(prompts):
                 for j in range(n):
@@ -154,14 +252,14 @@ class Serving:
                     self.loop.submit(Submission(request, index, queue, loop, stream=stream))
                     submitted.append(request.request_id)
                     choices.append(ChoiceOutput(index, request.request_id, ids, self.engine.tokenizer,
-                                                self.end_ids, stops))
+                                                end_ids, stops, max_tokens, logprobs=params.logprobs is not None))
         except (QueueFull, RequestError) as err:
             for request_id in submitted:
                 self.loop.abort(request_id)
             if isinstance(err, QueueFull):
                 raise APIError(429, "The server is at capacity: the waiting queue is full; retry later",
                                code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
-            param = "max_tokens" if err.param == "gen_length" else "prompt"
+            param = {"gen_length": "max_tokens", "logprobs": self._logprobs_field(body)}.get(err.param, "prompt")
             raise APIError(400, str(err), param=param, code=err.code) from None
         return choices, queue
 
@@ -202,7 +300,11 @@ class Serving:
         last piece comes with `choice.finished` set. Aborts what is left on any exit."""
         deadline = time.monotonic() + self.settings.request_timeout
         by_index = {c.index: c for c in choices}
-        pending = set(by_index)
+        pending = {c.index for c in choices if not c.finished}
+        for choice in choices:
+            if choice.finished:  # ended before any decoding (max_tokens 0)
+                self._record(choice)
+                yield choice, choice.take()
         try:
             while pending:
                 event = await self._next_event(queue, deadline, request)
@@ -213,10 +315,10 @@ class Serving:
                     continue
                 if event.kind == "error":
                     raise APIError(400, event.message)
-                choice.add(event.ids)
+                choice.add(event.ids, event.logprobs)
                 if event.kind == "done":
                     choice.finish(event.result, event.joules)
-                elif choice.stopped_by_string:  # the rest cannot change the answer: free the row now
+                elif choice.stopped_early:  # the rest cannot change the answer: free the row now
                     self.loop.abort(choice.request_id)
                     choice.finish(None)
                 else:
@@ -234,23 +336,96 @@ class Serving:
 
     # ------------------------------------------------------------------ endpoints
 
+    def tokenize(self, body: Union[TokenizeCompletionRequest, TokenizeChatRequest]) -> TokenizeResponse:
+        """vLLM's /tokenize: the ids /v1/completions (prompt) or /v1/chat/completions (messages)
+        would decode from."""
+        self._check_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            ids = self._chat_ids(body.messages, body.add_generation_prompt)
+        else:
+            if self.engine.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer", param="prompt")
+            ids = encode_text(self.engine.tokenizer, body.prompt)
+        strs = None
+        if body.return_token_strs and self.engine.tokenizer is not None:
+            strs = self.engine.tokenizer.convert_ids_to_tokens(ids)
+        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
+
+    def tokenizer_info(self) -> TokenizerInfo:
+        """vLLM's /tokenizer_info: what a client needs to tokenize as the server does (lm-eval's
+        remote tokenizer reads it)."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise APIError(404, "this model has no tokenizer", code="not_found")
+        return TokenizerInfo(tokenizer_class=type(tokenizer).__name__, eos_token=tokenizer.eos_token,
+                             bos_token=tokenizer.bos_token, pad_token=tokenizer.pad_token,
+                             chat_template=getattr(tokenizer, "chat_template", None),
+                             model_max_length=self.max_model_len)
+
+    def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self._check_model(body.model)
+        if self.engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", param="tokens")
+        vocab = self.engine.model.config.vocab_size
+        bad = next((t for t in body.tokens if t >= vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+        return DetokenizeResponse(prompt=self.engine.tokenizer.decode(body.tokens))
+
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         self._check_model(body.model)
-        params = self._params(body, body.max_tokens)
-        return await self._serve(body, request, self._completion_prompts(body), params, chat=False)
+        params = self._params(body, body.max_tokens or None)  # 0: nothing to decode, no canvas
+        prompts = self._completion_prompts(body)
+        echoes = await self._echoes(prompts, params, body) if body.echo else None
+        return await self._serve(body, request, prompts, params, body.max_tokens, chat=False, echoes=echoes)
+
+    async def _echoes(self, prompts: list[list[int]], params: DecodeParams, body: CompletionRequest) -> list[Echo]:
+        """Each prompt's text and, with logprobs, its per-token likelihood estimates (engine.scoring,
+        run on the engine thread between steps)."""
+        tokenizer = self.engine.tokenizer
+        echoes = []
+        for ids in prompts:
+            text = tokenizer.decode(ids) if tokenizer is not None else " ".join(map(str, ids))
+            if params.logprobs is None:
+                echoes.append(Echo(text, None))
+                continue
+            try:
+                self.engine.check_score(ids, params.score_samples)
+                scores = await self.loop.run_job(partial(self.engine.score, ids, params.score_samples, body.seed or 0))
+            except RequestError as err:
+                param = "decoding.score_samples" if err.param == "score_samples" else "prompt"
+                raise APIError(400, str(err), param=param, code=err.code) from None
+            except QueueFull:
+                raise APIError(429, "The server is at capacity: the waiting queue is full; retry later",
+                               code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+            logged, offset = [], 0
+            for token, value in zip(ids, scores, strict=True):
+                piece = tokenizer.decode([token]) if tokenizer is not None else str(token)
+                logged.append(LoggedToken(piece, offset, None if value is None else TokenLogprob(token, value)))
+                offset += len(piece)
+            echoes.append(Echo(text, logged))
+        return echoes
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
         self._check_model(body.model)
-        params = self._params(body, body.max_completion_tokens or body.max_tokens)
-        return await self._serve(body, request, [self._chat_prompt(body)], params, chat=True)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        params = self._params(body, max_tokens)
+        return await self._serve(body, request, [self._chat_prompt(body)], params, max_tokens, chat=True)
 
     async def _serve(self, body: Union[CompletionRequest, ChatCompletionRequest], request: Request,
-                     prompts: list[list[int]], params: DecodeParams, chat: bool) -> Any:
-        choices, queue = self._submit_all(prompts, params, body.n, body.stream, body.stop_strings)
+                     prompts: list[list[int]], params: DecodeParams, max_tokens: Optional[int], chat: bool,
+                     echoes: Optional[list[Echo]] = None) -> Any:
+        choices, queue = self._submit_all(body, prompts, params, max_tokens)
+        if echoes is not None:
+            for choice in choices:
+                choice.echo = echoes[choice.index // body.n]
         response_id = new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._stream(choices, queue, request, chat, response_id, include_usage),
+            options = body.stream_options
+            include_usage = bool(options and options.include_usage)
+            continuous = bool(include_usage and options and options.continuous_usage_stats)
+            return StreamingResponse(self._stream(choices, queue, request, chat, response_id, include_usage,
+                                                  continuous),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         async for _ in self._run(choices, queue, request):
             pass
@@ -261,34 +436,55 @@ class Serving:
             return _json(ChatCompletionResponse(
                 id=response_id, created=created, model=model, usage=usage,
                 choices=[ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                                    finish_reason=c.finish_reason, decoding=self._summary(c)) for c in choices],
+                                    finish_reason=c.finish_reason, logprobs=chat_logprobs(c, c.take_logprobs()),
+                                    decoding=self._summary(c)) for c in choices],
             ))
         return _json(CompletionResponse(
             id=response_id, created=created, model=model, usage=usage,
-            choices=[CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
+            choices=[CompletionChoice(index=c.index, text=(c.echo.text if c.echo else "") + c.text,
+                                      finish_reason=c.finish_reason,
+                                      logprobs=completion_logprobs(c, c.take_logprobs(), *_echoed(c)),
                                       decoding=self._summary(c)) for c in choices],
         ))
 
     async def _stream(self, choices: list[ChoiceOutput], queue: asyncio.Queue, request: Request, chat: bool,
-                      response_id: str, include_usage: bool) -> AsyncIterator[bytes]:
+                      response_id: str, include_usage: bool, continuous_usage: bool) -> AsyncIterator[bytes]:
         created, model = now(), self.settings.model_name
+        prompt_tokens = sum(len(c.prompt_ids) for c in choices)
 
-        def chunk(choice: ChoiceOutput, text: Optional[str], first: bool = False, last: bool = False) -> bytes:
+        def chunk(choice: ChoiceOutput, text: Optional[str], first: bool = False, last: bool = False,
+                  echo: Optional[Echo] = None) -> bytes:
             finish = choice.finish_reason if last else None
             summary = self._summary(choice) if last else None
+            usage = None
+            if continuous_usage:  # vLLM's continuous_usage_stats: the tokens so far, in every chunk
+                completion = sum(len(c.token_ids) for c in choices)
+                usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                              total_tokens=prompt_tokens + completion)
+            if echo is not None:  # the echoed prompt, in a chunk before the completion's
+                logprobs = completion_logprobs(choice, [], echo.logged or [])
+                body: Any = CompletionResponse(id=response_id, created=created, model=model, usage=usage, choices=[
+                    CompletionChoice(index=choice.index, text=echo.text, finish_reason=None, logprobs=logprobs)])
+                return b"data: " + body.model_dump_json().encode() + b"\n\n"
+            logged = choice.take_logprobs()
             if chat:
                 delta = ChatDelta(role="assistant" if first else None, content=text)
-                body: Any = ChatCompletionChunk(id=response_id, created=created, model=model, choices=[
-                    ChatStreamChoice(index=choice.index, delta=delta, finish_reason=finish, decoding=summary)])
+                body: Any = ChatCompletionChunk(id=response_id, created=created, model=model, usage=usage, choices=[
+                    ChatStreamChoice(index=choice.index, delta=delta, finish_reason=finish, decoding=summary,
+                                     logprobs=chat_logprobs(choice, logged) if logged else None)])
             else:
-                body = CompletionResponse(id=response_id, created=created, model=model, choices=[
-                    CompletionChoice(index=choice.index, text=text or "", finish_reason=finish, decoding=summary)])
+                shift = len(choice.echo.text) if choice.echo else 0
+                body = CompletionResponse(id=response_id, created=created, model=model, usage=usage, choices=[
+                    CompletionChoice(index=choice.index, text=text or "", finish_reason=finish, decoding=summary,
+                                     logprobs=completion_logprobs(choice, logged, shift=shift) if logged else None)])
             return b"data: " + body.model_dump_json().encode() + b"\n\n"
 
         try:
-            if chat:
-                for c in choices:
+            for c in choices:
+                if chat:
                     yield chunk(c, "", first=True)
+                elif c.echo is not None:
+                    yield chunk(c, None, echo=c.echo)
             async for choice, piece in self._run(choices, queue, request):
                 if piece:
                     yield chunk(choice, piece)

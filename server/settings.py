@@ -44,6 +44,11 @@ class ServerSettings:
     # lately (server/admission.py), so open-loop load does not wait; 0 turns it off
     admission_wait_ms: float = 5.0
     log_level: str = "info"
+    # origins allowed to call the API from a browser (CORS); empty: no CORS headers at all. vLLM
+    # allows every origin by default; here a browser origin must be named (or "*")
+    allowed_origins: list[str] = field(default_factory=list)
+    # a Jinja chat template (a file, or the template itself) in place of the checkpoint's
+    chat_template: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, EngineConfig):
@@ -57,6 +62,8 @@ class ServerSettings:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         if self.admission_wait_ms < 0:
             raise ValueError(f"admission_wait_ms must be >= 0, got {self.admission_wait_ms!r}")
+        if not isinstance(self.allowed_origins, list) or not all(isinstance(o, str) for o in self.allowed_origins):
+            raise ValueError("allowed_origins must be a JSON list of strings, e.g. [\"http://localhost:3000\"]")
         if not isinstance(self.default_decoding, dict):
             raise ValueError("default_decoding must be a JSON object")
         if self.log_level not in LOG_LEVELS:
@@ -87,6 +94,19 @@ class ServerSettings:
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).name
 
+    def chat_template_text(self) -> Optional[str]:
+        """The --chat-template override: a file's contents, or the value itself when it is a
+        template (vLLM's rule); ValueError when it is neither."""
+        value = self.chat_template
+        if value is None:
+            return None
+        path = Path(value)
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+        if "{{" in value or "{%" in value:
+            return value
+        raise ValueError(f"chat_template: no such file, and not a Jinja template: {value!r}")
+
 
 def _server_fields() -> tuple[Field, ...]:
     return tuple(f for f in fields(ServerSettings) if f.name != "engine")
@@ -108,7 +128,7 @@ def setting_default(name: str) -> Any:
 
 
 def _convert(name: str, raw: str, kind: str) -> Any:
-    if "dict" in kind:
+    if "dict" in kind or "list" in kind:
         try:
             return json.loads(raw)
         except json.JSONDecodeError as err:
@@ -145,6 +165,7 @@ def load_settings(overrides: Mapping[str, Any], environ: Optional[Mapping[str, s
     environ = os.environ if environ is None else environ
     engine = replace(default_engine(), **_gather(fields(EngineConfig), overrides, environ))
     values = _gather(_server_fields(), overrides, environ)
-    if isinstance(values.get("default_decoding"), str):
-        values["default_decoding"] = _convert("default_decoding", values["default_decoding"], "dict")
+    for name in ("default_decoding", "allowed_origins"):
+        if isinstance(values.get(name), str):
+            values[name] = _convert(name, values[name], "dict")
     return ServerSettings(engine=engine, **values)

@@ -59,3 +59,41 @@ def test_lm_eval_local_completions_matches_cai_dllm_eval(tmp_path):
     prompts = [chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": p["prompt"]}]) for p in problems]
     offline = engine.generate(prompts, engine.default_params().with_overrides(gen_length=128, **DECODING))
     assert [s["resps"][0][0] for s in samples] == [r.text for r in offline]
+
+
+def test_lm_eval_multiple_choice_scores_likelihoods_as_the_offline_api(tmp_path):
+    """lm-eval's log-likelihood requests (`echo`, `logprobs`, `max_tokens: 1`) unchanged, through its
+    remote tokenizer (/tokenizer_info, /tokenize): the right worked addition against three corrupted
+    ones, each choice's log-likelihood equal to `Engine.score` on the same ids with lm-eval's seed."""
+    lm_eval = require_tool("lm_eval")
+    samples_per_split = 4
+    with running_server("--default-decoding", json.dumps({"score_samples": samples_per_split})) as (base, _):
+        env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        run = subprocess.run([lm_eval, "--model", "local-completions", "--tasks", "cai_builtin_add_mc",
+                              "--include_path", "bench/lm_eval", "--output_path", str(tmp_path / "lm_eval"),
+                              "--log_samples", "--model_args",
+                              f"model=llada-tiny,base_url={base}/v1/completions,num_concurrent=4,max_retries=1"],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        assert "Using remote tokenizer" in run.stderr + run.stdout
+    [results] = list(Path(tmp_path / "lm_eval").rglob("results_*.json"))
+    accuracy = json.loads(results.read_text())["results"]["cai_builtin_add_mc"]["acc,none"]
+    [samples_file] = list(Path(tmp_path / "lm_eval").rglob("samples_cai_builtin_add_mc_*.jsonl"))
+    samples = sorted((json.loads(line) for line in samples_file.read_text().splitlines()), key=lambda s: s["doc_id"])
+
+    from engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(model=str(MODEL)))
+    encode = lambda text: engine.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    offline_correct = 0
+    for sample in samples:
+        doc = sample["doc"]
+        context = encode(f"<|user|>{doc['prompt']}<|assistant|>")
+        offline = [sum(engine.score(context + encode(choice), samples_per_split, seed=1234)[len(context):])
+                   for choice in doc["choices"]]
+        served = [float(resp[0][0]) for resp in sample["resps"]]
+        assert served == pytest.approx(offline, abs=1e-6)
+        offline_correct += max(range(len(offline)), key=offline.__getitem__) == doc["label"]
+    print(f"\n[ops-proof] lm-eval multiple choice: accuracy {accuracy:.2f} over {len(samples)} items (chance 0.25)")
+    assert accuracy == offline_correct / len(samples)
+    assert accuracy >= 0.9

@@ -116,7 +116,9 @@ def test_decoding_knobs_via_extra_body(client):
 
 
 @pytest.mark.parametrize("kwargs,status,param", [
-    ({"logprobs": 2}, 400, "logprobs"),
+    ({"logprobs": 50}, 400, "logprobs"),
+    ({"presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"extra_body": {"decoding": {"score_samples": 0}}}, 400, "decoding.score_samples"),
     ({"extra_body": {"frobnicate": 1}}, 400, "frobnicate"),
     ({"extra_body": {"decoding": {"theta_s": 7}}}, 400, "decoding.theta_s"),
     ({"extra_body": {"decoding": {"policy": "magic"}}}, 400, "decoding.policy"),

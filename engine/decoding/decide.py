@@ -15,6 +15,7 @@ scheduler transfers to the host once. `decide_tensors` is the whole step as a fu
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -27,8 +28,10 @@ from engine.decoding.sampling import (
     CONF_NEG_ENTROPY,
     CONF_PROB,
     confidence,
+    filter_min_p,
     filter_top_k_top_p,
     predict,
+    token_logprobs,
 )
 from engine.request import Request
 
@@ -36,7 +39,7 @@ from engine.request import Request
 
 # Float, integer and boolean knobs of a request, one slot row each.
 _FLOAT_KNOBS = ("theta_s", "theta_e", "warmup", "block_decay", "eta", "eta_denominator", "theta_fb", "threshold",
-                "top_p")
+                "top_p", "min_p")
 _INT_KNOBS = ("patience", "min_commit", "top_k", "steps_per_block", "num_blocks", "block_length", "family",
               "conf_kind")
 _BOOL_KNOBS = ("block_schedule", "stretch", "position_factors", "budgets", "grinding", "grinding_fill")
@@ -46,13 +49,13 @@ def _float_knobs(request: Request) -> list[float]:
     p = request.params
     return [p.theta_s, p.theta_e, p.warmup, p.block_decay, p.eta,
             float(p.gen_length if p.eta_denominator == "generation" else request.block_length), p.theta_fb,
-            p.threshold, p.top_p if p.top_p is not None else 1.0]
+            p.threshold, p.top_p if p.top_p is not None else 1.0, p.min_p or 0.0]
 
 
 def _int_knobs(request: Request) -> list[int]:
     p = request.params
     policy = POLICIES[p.policy]
-    return [p.patience, p.min_commit, p.top_k or 0, request.steps_per_block, request.num_blocks,
+    return [p.patience, p.min_commit, p.top_k_on, request.steps_per_block, request.num_blocks,
             request.block_length, policy.family, policy.conf_kind]
 
 
@@ -192,7 +195,9 @@ class StepRows:
     sampled: list[tuple[int, torch.Generator, float]]  # (row, generator, temperature) of sampling rows
     max_top_k: int
     any_top_p: bool
+    any_min_p: bool
     commit_first: bool
+    logprob_k: int  # top alternatives to report (the most any row asks); -1: no row wants logprobs
 
     @classmethod
     def build(cls, requests: Sequence[Request], device: torch.device) -> StepRows:
@@ -201,9 +206,12 @@ class StepRows:
         sampled = [(b, r.generator, r.params.temperature) for b, r in enumerate(requests) if r.generator is not None]
         return cls(requests=requests, width=max(r.block_length for r in requests), fields=fields,
                    policies=frozenset(r.policy for r in requests), sampled=sampled,
-                   max_top_k=max((r.params.top_k or 0) for r in requests),
+                   max_top_k=max(r.params.top_k_on for r in requests),
                    any_top_p=any(r.params.top_p is not None and r.params.top_p < 1 for r in requests),
-                   commit_first=any(row[5] for row in rows))
+                   any_min_p=any(bool(r.params.min_p) for r in requests),
+                   commit_first=any(row[5] for row in rows),
+                   logprob_k=max((r.params.logprobs for r in requests if r.params.logprobs is not None),
+                                 default=-1))
 
     def column(self, name: str) -> torch.Tensor:
         return self.fields[:, STEP_FIELDS.index(name)]
@@ -220,7 +228,7 @@ def decide_step(state: DecodeState, rows: StepRows, logits: torch.Tensor, block_
     new_tokens, summary, first_conf, low_yield = decide(
         state.knobs_f[slots], state.knobs_i[slots], state.knobs_b[slots], state.first_conf[slots, :width],
         state.low_yield[slots], logits, block_tokens, in_block, rows.fields, end_ids, mask_id, rows.policies,
-        tuple(rows.sampled), rows.max_top_k, rows.any_top_p, rows.commit_first)
+        tuple(rows.sampled), rows.max_top_k, rows.any_top_p, rows.any_min_p, rows.commit_first, rows.logprob_k)
     if "cai" in rows.policies:
         state.first_conf[slots, :width] = first_conf
         state.low_yield[slots] = low_yield
@@ -231,14 +239,19 @@ def decide_tensors(knobs_f: torch.Tensor, knobs_i: torch.Tensor, knobs_b: torch.
                    low_yield: torch.Tensor, logits: torch.Tensor, block_tokens: torch.Tensor, in_block: torch.Tensor,
                    fields: torch.Tensor, end_ids: torch.Tensor, mask_id: int, policies: frozenset[str],
                    sampled: tuple[tuple[int, torch.Generator, float], ...], max_top_k: int, any_top_p: bool,
-                   commit_first: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   any_min_p: bool, commit_first: bool,
+                   logprob_k: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The decide step on the rows' tensors (knobs and CAI state gathered by slot): tensors in,
-    tensors out, so that it can be compiled. Returns (new tokens, summary, CAI's s_i, CAI's counter)."""
+    tensors out, so that it can be compiled. Returns (new tokens, summary, CAI's s_i, CAI's counter).
+    With `logprob_k` >= 0 the summary also carries every block position's logprobs (`LogprobColumns`)."""
     f = dict(zip(_FLOAT_KNOBS, knobs_f.unbind(1), strict=True))
     i = dict(zip(_INT_KNOBS, knobs_i.unbind(1), strict=True))
     b = dict(zip(_BOOL_KNOBS, knobs_b.unbind(1), strict=True))
+    raw_logits = logits
     if max_top_k > 0 or any_top_p:
         logits = filter_top_k_top_p(logits, i["top_k"], f["top_p"], max_top_k=max_top_k, any_top_p=any_top_p)
+    if any_min_p:
+        logits = filter_min_p(logits, f["min_p"])
     x0 = predict(logits, sampled, mask_id)
     kinds = frozenset(POLICIES[name].conf_kind for name in policies)
     conf = confidence(logits, x0, i["conf_kind"], kinds)
@@ -288,6 +301,37 @@ def decide_tensors(knobs_f: torch.Tensor, knobs_i: torch.Tensor, knobs_b: torch.
     # first-step confidence bands: above 0.5 and below 0.25 (the host derives the middle band)
     high = (candidates & (conf > P.CONF_HIGH)).sum(dim=1)
     low = (candidates & (conf < P.CONF_LOW)).sum(dim=1)
-    summary = torch.cat([torch.stack([commit.sum(dim=1), still_masked.sum(dim=1), forced.sum(dim=1),
-                                      grinding.long(), end_pos, high, low, first_masked], dim=1), new_tokens], dim=1)
-    return new_tokens, summary, first_conf, low_yield
+    parts = [torch.stack([commit.sum(dim=1), still_masked.sum(dim=1), forced.sum(dim=1), grinding.long(), end_pos,
+                          high, low, first_masked], dim=1), new_tokens]
+    if logprob_k >= 0:
+        chosen, top_values, top_ids = token_logprobs(raw_logits, x0, logprob_k)
+        batch_size = new_tokens.shape[0]
+        parts += [float_bits(chosen), float_bits(top_values).reshape(batch_size, -1), top_ids.reshape(batch_size, -1)]
+    return new_tokens, torch.cat(parts, dim=1), first_conf, low_yield
+
+
+def float_bits(values: torch.Tensor) -> torch.Tensor:
+    """float32 values as int64 holding their bit patterns, so they travel in the integer summary (one
+    transfer); `LogprobColumns.read` turns them back into floats on the host."""
+    return values.float().contiguous().view(torch.int32).long()
+
+
+@dataclass(frozen=True)
+class LogprobColumns:
+    """Where a summary row keeps its logprobs: after the block's W tokens, W chosen-token logprobs,
+    then W x k top logprobs, then W x k top ids (all row-major)."""
+
+    width: int
+    k: int
+
+    def read(self, row: Sequence[int], position: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+        """(log p of the token committed at `position`, its step's top-k as (token id, log p))."""
+        base = len(SUMMARY_COLUMNS) + self.width
+        chosen = _bits_to_float(row[base + position])
+        tops = base + self.width + position * self.k
+        ids = base + self.width + self.width * self.k + position * self.k
+        return chosen, tuple((row[ids + j], _bits_to_float(row[tops + j])) for j in range(self.k))
+
+
+def _bits_to_float(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<i", bits))[0]

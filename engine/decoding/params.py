@@ -35,7 +35,14 @@ class DecodeParams:
     temperature: float = 0.0
     seed: Optional[int] = None
     top_p: Optional[float] = None
-    top_k: Optional[int] = None
+    top_k: Optional[int] = None  # -1 and 0 mean "off", as in vLLM
+    min_p: Optional[float] = None  # drop tokens below min_p x the best token's probability (vLLM)
+    # decode the whole canvas (no early exit) and keep what follows an end token (vLLM's ignore_eos)
+    ignore_eos: bool = False
+    # report each generated token's log-probability and this many top alternatives (None: off)
+    logprobs: Optional[int] = None
+    # samples per split of the Monte-Carlo likelihood estimate when a prompt is scored (engine.scoring)
+    score_samples: int = 16
     cfg_scale: float = 0.0
     early_exit: bool = True
     # KV cache (runner axis)
@@ -71,7 +78,7 @@ class DecodeParams:
         _check_choice("block_schedule_mode", self.block_schedule_mode, BLOCK_SCHEDULE_MODES)
         _check_choice("eta_denominator", self.eta_denominator, ETA_DENOMINATORS)
         _check_choice("grinding_exit", self.grinding_exit, GRINDING_EXITS)
-        for name in ("early_exit", "block_schedule", "position_factors", "budgets", "grinding",
+        for name in ("early_exit", "ignore_eos", "block_schedule", "position_factors", "budgets", "grinding",
                      "commit_first_at_block_start"):
             _check_bool(name, getattr(self, name))
         if self.gating is not None:
@@ -93,7 +100,12 @@ class DecodeParams:
         if self.top_p is not None:
             _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         if self.top_k is not None:
-            _check_int("top_k", self.top_k, low=1)
+            _check_int("top_k", self.top_k, low=-1)
+        if self.min_p is not None:
+            _check_float("min_p", self.min_p, low=0.0, high=1.0)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0)
+        _check_int("score_samples", self.score_samples, low=1)
         _check_float("cfg_scale", self.cfg_scale, low=0.0)
         if self.cfg_scale > 0 and self.cache != "none":
             raise DecodeParamError("cfg_scale", "classifier-free guidance needs cache='none'")
@@ -123,6 +135,16 @@ class DecodeParams:
     @property
     def steps_per_block(self) -> int:
         return self.total_steps // self.num_blocks
+
+    @property
+    def top_k_on(self) -> int:
+        """top_k as a filter width; 0 when off (None, 0 or -1)."""
+        return self.top_k if self.top_k is not None and self.top_k > 0 else 0
+
+    @property
+    def stops_at_end(self) -> bool:
+        """Whether a row stops at its first end token (early exit on, ignore_eos off)."""
+        return self.early_exit and not self.ignore_eos
 
     @property
     def gating_on(self) -> bool:

@@ -1,7 +1,8 @@
 """From the logits of each row's current block to a predicted token and a confidence per position.
 
 - top-k / top-p filter the logits first, as Dream's `sample_tokens` does, even at temperature 0
-  (it changes the confidences, not the argmax).
+  (it changes the confidences, not the argmax); min_p (vLLM's) then drops every token whose
+  probability is below min_p times the best one's.
 - temperature 0 predicts the argmax; temperature > 0 uses Gumbel-max in float64, as LLaDA's
   `add_gumbel_noise`, with noise from the request's own seeded generator (so a row's tokens do not
   depend on what else is in the batch).
@@ -48,6 +49,25 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
         remove = (logits < kth) & (top_k > 0)[:, None, None]
         logits = logits.masked_fill(remove, lowest)
     return logits
+
+
+def filter_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """vLLM's min_p, per row (0 = off): tokens below min_p x the top probability are removed. The
+    threshold is taken in log space: p_v < min_p * p_max  <=>  l_v < l_max + log(min_p)."""
+    lowest = torch.finfo(logits.dtype).min
+    floor = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None, None]
+    return logits.masked_fill((logits < floor) & (min_p > 0)[:, None, None], lowest)
+
+
+def token_logprobs(logits: torch.Tensor, x0: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """log p of each predicted token [B, W] and the k most likely tokens' log p and ids [B, W, k],
+    from the raw logits (before any filter or temperature: vLLM's default "raw" logprobs)."""
+    logp = logits.float().log_softmax(dim=-1)
+    chosen = logp.gather(-1, x0[..., None]).squeeze(-1)
+    top = logp.topk(k, dim=-1) if k > 0 else None
+    empty = logp.new_zeros(*x0.shape, 0)
+    return (chosen, empty if top is None else top.values,
+            empty.long() if top is None else top.indices)
 
 
 def _best_but(scores: torch.Tensor, excluded: int) -> torch.Tensor:

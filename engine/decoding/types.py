@@ -13,6 +13,16 @@ FINISH_ABORT = "abort"
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability at the step that committed it, and that step's top
+    alternatives (token id, log p), most likely first (`DecodeParams.logprobs` of them)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     prompt_ids: tuple[int, ...]
     params: DecodeParams = field(default_factory=DecodeParams)
@@ -61,8 +71,14 @@ class GenerationResult:
     stats: RequestStats
     end_index: Optional[int] = None  # index in generated_ids of the first end token, if any
     text: Optional[str] = None  # the response text (up to the end token), when a tokenizer was given
+    logprobs: Optional[list[TokenLogprob]] = None  # one per generated id, when DecodeParams.logprobs is set
 
     @property
     def response_ids(self) -> list[int]:
         """The generated ids before the first end token: what the text is made of."""
         return self.generated_ids if self.end_index is None else self.generated_ids[:self.end_index]
+
+    @property
+    def response_logprobs(self) -> Optional[list[TokenLogprob]]:
+        """The logprobs of `response_ids`, when they were asked for."""
+        return None if self.logprobs is None else self.logprobs[:len(self.response_ids)]
