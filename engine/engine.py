@@ -89,7 +89,8 @@ class Engine:
         """RequestError unless the prompt is non-empty token ids of this model's vocabulary."""
         vocab = self.model.config.vocab_size
         if not prompt_ids:
-            raise RequestError("prompt_ids must not be empty")
+            raise RequestError("prompt_ids must not be empty (a text prompt may encode to no token)",
+                               code="empty_prompt")
         bad = next((t for t in prompt_ids if not 0 <= int(t) < vocab), None)
         if bad is not None:
             raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
@@ -99,7 +100,7 @@ class Engine:
         self.check_prompt(prompt_ids)
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise RequestError(f"at most {self.config.max_logprobs} top logprobs per token can be returned "
-                               f"(--max-logprobs), got {params.logprobs}", param="logprobs")
+                               f"(--max-logprobs), got {params.logprobs}", param="logprobs", code="invalid_decoding")
         total = len(prompt_ids) + params.gen_length
         if total > self.max_model_len:
             raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
@@ -159,6 +160,8 @@ class Engine:
     def check_score(self, prompt_ids: Sequence[int], samples: int) -> None:
         """RequestError unless scoring this prompt fits the model's context and `max_score_tokens`."""
         self.check_prompt(prompt_ids)
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            raise RequestError(f"score_samples must be an integer >= 1, got {samples!r}", param="score_samples")
         if len(prompt_ids) > self.max_model_len:
             raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
                                f"has {len(prompt_ids)}", code="context_length_exceeded")

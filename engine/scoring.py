@@ -61,9 +61,10 @@ def _masks(n: int, splits: torch.Tensor, samples: int, generator: torch.Generato
 
 
 @torch.no_grad()
-def split_estimates(model: DiffusionTransformer, prompt_ids: Sequence[int], splits: Sequence[int], samples: int,
-                    seed: int = 0, max_forward_tokens: int = 8192) -> torch.Tensor:
-    """S_c for each split c (1 <= c < n): the estimate of log p(tokens c.. | tokens before c), float64.
+def sample_values(model: DiffusionTransformer, prompt_ids: Sequence[int], splits: Sequence[int], samples: int,
+                  seed: int = 0, max_forward_tokens: int = 8192) -> torch.Tensor:
+    """The estimator's terms [len(splits), samples] (float64): for each split c and sample k,
+    (L / l) * sum over its l masked positions of log p(true token). Their mean over k is S_c.
     `max_forward_tokens` bounds the tokens of one forward (rows x prompt length)."""
     n = len(prompt_ids)
     if samples < 1:
@@ -78,7 +79,13 @@ def split_estimates(model: DiffusionTransformer, prompt_ids: Sequence[int], spli
     rows = max(1, min(max_forward_tokens // n, _MAX_LOGIT_FLOATS // (most * model.config.vocab_size)))
     totals = torch.cat([_masked_loglik(model, ids, masked[start:start + rows], shift)
                         for start in range(0, len(masked), rows)])
-    return (totals * weight.double()).view(len(splits), samples).mean(dim=1)
+    return (totals * weight.double()).view(len(splits), samples)
+
+
+def split_estimates(model: DiffusionTransformer, prompt_ids: Sequence[int], splits: Sequence[int], samples: int,
+                    seed: int = 0, max_forward_tokens: int = 8192) -> torch.Tensor:
+    """S_c for each split c (1 <= c < n): the estimate of log p(tokens c.. | tokens before c), float64."""
+    return sample_values(model, prompt_ids, splits, samples, seed, max_forward_tokens).mean(dim=1)
 
 
 def prompt_logprobs(model: DiffusionTransformer, prompt_ids: Sequence[int], samples: int, seed: int = 0,

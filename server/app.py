@@ -95,6 +95,15 @@ class AppState:
         except Exception as err:  # reported by /ready and /health; the process keeps answering
             self.load_error = f"{type(err).__name__}: {err}"
 
+    def limits(self) -> Optional[openapi.Limits]:
+        """The bounds the OpenAPI document states, once the model is loaded."""
+        engine = self.engine
+        if engine is None:
+            return None
+        return openapi.Limits(model=self.settings.model_name, max_model_len=engine.max_model_len,
+                              max_n=self.settings.max_n, max_logprobs=engine.config.max_logprobs,
+                              vocab_size=engine.model.config.vocab_size)
+
     def require_serving(self) -> Serving:
         if self.draining:
             raise APIError(503, "The server is shutting down", code="shutting_down")
@@ -117,7 +126,7 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
 
     app = FastAPI(title="cai-dllm", version=package_version(), lifespan=lifespan)
     app.state.cai = state
-    openapi.install(app)
+    openapi.install(app, state.limits)
 
     app.add_middleware(GuardMiddleware, state=state)
     if settings.allowed_origins:  # outside the guard, so a browser's preflight needs no API key

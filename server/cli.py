@@ -133,6 +133,36 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _score(args: argparse.Namespace) -> int:
+    from engine import CheckpointError, DeviceError, Engine, EngineConfig, RequestError
+    from engine.chat import chat_prompt_ids
+    from engine.loading.tokenizer import encode_text
+
+    try:
+        engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
+        if engine.tokenizer is None:
+            raise CheckpointError("scoring text needs a checkpoint with a tokenizer")
+        context = (chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": args.context}]) if args.chat
+                   else encode_text(engine.tokenizer, args.context))
+        rows = []
+        for text in args.continuation:
+            ids = [*context, *encode_text(engine.tokenizer, text)]
+            values = engine.score(ids, args.samples, args.seed)[len(context):]
+            rows.append({"continuation": text, "logprob": sum(v for v in values if v is not None),
+                         "tokens": len(values), "token_logprobs": values})
+    except (CheckpointError, DeviceError, RequestError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    best = max(range(len(rows)), key=lambda i: rows[i]["logprob"])
+    for i, row in enumerate(rows):
+        if args.json:
+            print(json.dumps(row))
+        else:
+            mark = "  <- most likely" if len(rows) > 1 and i == best else ""
+            print(f"{row['logprob']:10.3f}  ({row['tokens']} tokens)  {row['continuation']!r}{mark}")
+    return 0
+
+
 def _train(args: argparse.Namespace) -> int:
     from dataclasses import fields
     from pathlib import Path
@@ -278,6 +308,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_decode_flags(gen)
     gen.set_defaults(func=_generate)
 
+    sc = sub.add_parser("score", help="log-likelihood of continuations after a context (LLaDA's Monte-Carlo "
+                                      "estimator, as the server's echo + logprobs)")
+    sc.add_argument("--model", required=True, help="local Hugging Face checkpoint directory")
+    sc.add_argument("--context", required=True, help="the text the continuations follow")
+    sc.add_argument("--continuation", action="append", required=True, help="a continuation to score (repeatable)")
+    sc.add_argument("--chat", action="store_true", help="wrap --context as a user turn of the chat template")
+    sc.add_argument("--samples", type=int, default=None, help="samples per split (default: the decoding default)")
+    sc.add_argument("--seed", type=int, default=0)
+    _add_engine_flags(sc, ("device", "dtype"))
+    sc.add_argument("--json", action="store_true", help="print one JSON object per continuation")
+    sc.set_defaults(func=_score)
+
     ev = sub.add_parser("eval", help="compare decoding configurations on held-out built-in task problems")
     ev.add_argument("--model", required=True, help="a built-in model directory (models/llada-tiny, ...)")
     ev.add_argument("--n", type=int, default=200, help="held-out problems")
@@ -304,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_setting(engine, "use_flash_attn", action=argparse.BooleanOptionalAction,
                  help="FlashAttention kernels", unset="when installed and usable")
     _add_setting(engine, "max_logprobs", type=int, help="most top logprobs a request may ask for per token")
+    _add_setting(engine, "max_score_tokens", type=int,
+                 help="most tokens one likelihood-scoring request (echo + logprobs) may feed the model")
     _add_setting(engine, "compile_decide", action=argparse.BooleanOptionalAction,
                  help="compile the decide step (torch.compile): less host time a step, seconds of compiling "
                       "per new batch shape at the start")

@@ -4,6 +4,8 @@ back, with every error status each route can answer, so clients and fuzzers see 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from fastapi import FastAPI
@@ -83,7 +85,61 @@ def _schema(model: type[BaseModel], components: dict[str, Any]) -> dict[str, Any
     return {"$ref": _REF.format(model=model.__name__)}
 
 
-def build_openapi(app: FastAPI) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Limits:
+    """What this server accepts that depends on its model and settings: the document states it once
+    the model is loaded, so a client (or a fuzzer) sees the bounds the server enforces."""
+
+    model: str
+    max_model_len: int
+    max_n: int
+    max_logprobs: int
+    vocab_size: int
+
+
+_GENERATION = ("CompletionRequest", "ChatCompletionRequest")
+_NAMED_MODEL = (*_GENERATION, "TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest")
+
+
+def _bound_integers(schema: dict[str, Any], **bounds: int) -> None:
+    """Add bounds to the integer form of a property (itself, or its integer branch)."""
+    for branch in schema.get("anyOf", [schema]):
+        if branch.get("type") == "integer":
+            branch.update(bounds)
+
+
+def _apply_limits(doc: dict[str, Any], limits: Limits) -> None:
+    components = doc["components"]["schemas"]
+    largest_id = limits.vocab_size - 1
+    for parameter in doc["paths"]["/v1/models/{model_id}"]["get"]["parameters"]:
+        if parameter["name"] == "model_id":
+            parameter["schema"] = {"type": "string", "enum": [limits.model], "title": "Model Id"}
+    for name in _NAMED_MODEL:
+        components[name]["properties"]["model"] = {"anyOf": [{"type": "string", "enum": [limits.model]},
+                                                             {"type": "null"}], "title": "Model"}
+    for name in _GENERATION:
+        props = components[name]["properties"]
+        for field in ("max_tokens", "max_completion_tokens"):
+            if field in props:  # a canvas leaves at least one position for the prompt
+                _bound_integers(props[field], maximum=limits.max_model_len - 1)
+        _bound_integers(props["n"], maximum=limits.max_n)
+        for field in ("logprobs", "top_logprobs"):
+            if field in props:
+                _bound_integers(props[field], maximum=limits.max_logprobs)
+    for branch in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
+        if branch.get("type") != "array":
+            continue
+        items = branch["items"]
+        if items.get("type") == "integer":
+            items["maximum"] = largest_id
+        else:  # several prompts: each is a completion
+            branch["maxItems"] = limits.max_n
+            if items.get("type") == "array":
+                items["items"]["maximum"] = largest_id
+    components["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] = largest_id
+
+
+def build_openapi(app: FastAPI, limits: Optional[Limits] = None) -> dict[str, Any]:
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
                       description="OpenAI-compatible API of cai-dllm; the `decoding` object carries the "
                                   "per-request diffusion decoding knobs.")
@@ -108,13 +164,21 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
                 "application/json": {"schema": _schema(spec["body"], components)}}}
     doc["paths"]["/metrics"]["get"]["responses"] = {
         "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}}
+    if limits is not None:
+        _apply_limits(doc, limits)
     return doc
 
 
-def install(app: FastAPI) -> None:
+def install(app: FastAPI, limits: Callable[[], Optional[Limits]]) -> None:
+    """Serve the document; it is kept once `limits()` (known when the model has loaded) is there."""
+
     def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            app.openapi_schema = build_openapi(app)
-        return app.openapi_schema
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        known = limits()
+        doc = build_openapi(app, known)
+        if known is not None:
+            app.openapi_schema = doc
+        return doc
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, RootModel, WithJsonSchema, model_serializer
 from pydantic_core import PydanticCustomError
 
+from engine.decoding.params import json_schema as decoding_schema
 from engine.decoding.types import RequestStats
 
 # Why a field is accepted only at its neutral value(s).
@@ -90,7 +91,8 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
-    decoding: Optional[dict[str, Any]] = None
+    decoding: Annotated[Optional[dict[str, Any]],
+                        WithJsonSchema({"anyOf": [decoding_schema(), {"type": "null"}]})] = None
     presence_penalty: neutral("presence_penalty", [0, None]) = None  # type: ignore[valid-type]
     frequency_penalty: neutral("frequency_penalty", [0, None]) = None  # type: ignore[valid-type]
     repetition_penalty: neutral("repetition_penalty", [1, None]) = None  # type: ignore[valid-type]

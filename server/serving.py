@@ -27,6 +27,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from engine import Engine, RequestError
 from engine.decoding import DecodeParamError, DecodeParams, GenerationRequest
+from engine.decoding.params import field_types
 from engine.decoding.types import TokenLogprob
 from engine.loading.tokenizer import encode_text
 from server.errors import APIError, error_body
@@ -63,6 +64,17 @@ from server.scheduler import EngineLoop, QueueFull, Submission
 from server.settings import ServerSettings
 
 DEFAULT_BLOCK = 32
+# The error codes of the rules a schema cannot state (docs/server.md): a schema-valid request is
+# answered, or refused with one of these (tests/test_fuzz.py checks exactly that).
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+INVALID_DECODING = "invalid_decoding"  # a knob's range, or a rule between knobs (DecodeParams)
+TOO_MANY_CHOICES = "too_many_choices"  # n x prompts above --max-n
+LOGPROBS_REQUIRED = "logprobs_required"  # top_logprobs without logprobs: true
+CHAT_TEMPLATE_ERROR = "chat_template_error"  # the checkpoint's template refuses these messages
+EMPTY_PROMPT = "empty_prompt"  # a text that encodes to no token
+SCORING_TOO_LARGE = "scoring_too_large"  # echo + logprobs above --max-score-tokens
+CROSS_FIELD_CODES = (CONTEXT_LENGTH_EXCEEDED, INVALID_DECODING, TOO_MANY_CHOICES, LOGPROBS_REQUIRED,
+                     CHAT_TEMPLATE_ERROR, EMPTY_PROMPT, SCORING_TOO_LARGE)
 RETRY_AFTER_SECONDS = 1
 # How often a request waiting on the engine checks whether its client is still there.
 _DISCONNECT_POLL_SECONDS = 0.25
@@ -86,6 +98,15 @@ def completion_logprobs(choice: ChoiceOutput, logged: list[LoggedToken], echoed:
     return CompletionLogprobs(tokens=[e.text for e in entries],
                               token_logprobs=[None if e.logprob is None else e.logprob.logprob for e in entries],
                               top_logprobs=tops, text_offset=[e.offset for e in entries])
+
+
+_INT_KNOBS = frozenset(name for name, (kind, _) in field_types().items() if kind is int)
+
+
+def _integral_knobs(decoding: dict[str, Any]) -> dict[str, Any]:
+    """Integer knobs written as integral floats (7.0) become integers, as JSON Schema counts them."""
+    return {name: int(value) if name in _INT_KNOBS and isinstance(value, float) and value.is_integer() else value
+            for name, value in decoding.items()}
 
 
 def _echoed(choice: ChoiceOutput) -> tuple[Optional[list[LoggedToken]], int]:
@@ -139,11 +160,12 @@ class Serving:
         if body.logprobs:
             return body.top_logprobs or 0
         if body.top_logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code=LOGPROBS_REQUIRED)
         return None
 
-    def _params(self, body: Union[CompletionRequest, ChatCompletionRequest], max_tokens: Optional[int]) -> DecodeParams:
-        knobs: dict[str, Any] = {**self._defaults, **(body.decoding or {})}
+    def _params(self, body: Union[CompletionRequest, ChatCompletionRequest], max_tokens: Optional[int],
+                longest_prompt: int) -> DecodeParams:
+        knobs: dict[str, Any] = {**self._defaults, **_integral_knobs(body.decoding or {})}
         for name in ("temperature", "seed", "top_p", "top_k", "min_p"):
             if getattr(body, name) is not None:
                 knobs[name] = getattr(body, name)
@@ -154,6 +176,8 @@ class Serving:
             knobs["logprobs"] = logprobs
         if max_tokens is not None:
             knobs["gen_length"] = self._canvas(max_tokens, knobs)
+        else:
+            knobs["gen_length"] = self._default_canvas(knobs, self.max_model_len - longest_prompt)
         try:
             params = DecodeParams.from_dict(knobs)
         except DecodeParamError as err:
@@ -164,9 +188,9 @@ class Serving:
                 param = self._logprobs_field(body)
             else:
                 param = f"decoding.{err.param}" if from_body else err.param
-            raise APIError(400, str(err), param=param) from None
+            raise APIError(400, str(err), param=param, code=INVALID_DECODING) from None
         except TypeError as err:
-            raise APIError(400, f"invalid decoding object: {err}", param="decoding") from None
+            raise APIError(400, f"invalid decoding object: {err}", param="decoding", code=INVALID_DECODING) from None
         return params
 
     @staticmethod
@@ -178,6 +202,23 @@ class Serving:
         if str(knobs.get("policy", "")).startswith("dream-") or max_tokens <= DEFAULT_BLOCK:
             return max_tokens
         return math.ceil(max_tokens / DEFAULT_BLOCK) * DEFAULT_BLOCK
+
+    @staticmethod
+    def _default_canvas(knobs: dict[str, Any], room: int) -> Any:
+        """The canvas when max_tokens is not given: the default length, shrunk to whole blocks that fit
+        the context left after the prompt (as vLLM's default max_tokens is what the context leaves).
+        A canvas the request fixed itself (decoding.block_length that cannot fit) is left to be refused."""
+        wanted = knobs.get("gen_length", DecodeParams.gen_length)
+        if not isinstance(wanted, int) or isinstance(wanted, bool) or wanted <= room or room < 1:
+            return wanted
+        block = knobs.get("block_length")
+        if block is not None:
+            if not isinstance(block, int) or isinstance(block, bool) or block < 1 or room < block:
+                return wanted
+            return room // block * block
+        if str(knobs.get("policy", "")).startswith("dream-") or room <= DEFAULT_BLOCK:
+            return room
+        return room // DEFAULT_BLOCK * DEFAULT_BLOCK
 
     def _check_model(self, model: Optional[str]) -> None:
         if model is not None and model != self.settings.model_name:
@@ -216,7 +257,8 @@ class Serving:
         try:
             return chat_prompt_ids(self.engine.tokenizer, messages, add_generation_prompt=add_generation_prompt)
         except Exception as err:  # the checkpoint's template refused these messages
-            raise APIError(400, f"the chat template cannot render these messages: {err}", param="messages") from None
+            raise APIError(400, f"the chat template cannot render these messages: {err}", param="messages",
+                           code=CHAT_TEMPLATE_ERROR) from None
 
     def _submit_all(self, body: Union[CompletionRequest, ChatCompletionRequest], prompts: list[list[int]],
                     params: DecodeParams, max_tokens: Optional[int]) -> tuple[list[ChoiceOutput], asyncio.Queue]:
@@ -224,7 +266,7 @@ class Serving:
         end_ids = frozenset() if params.ignore_eos else self.end_ids
         if len(prompts) * n > self.settings.max_n:
             raise APIError(400, f"n x prompts = {len(prompts) * n} exceeds this server's limit of "
-                           f"{self.settings.max_n} completions per request", param="n")
+                           f"{self.settings.max_n} completions per request", param="n", code=TOO_MANY_CHOICES)
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         choices: list[ChoiceOutput] = []
@@ -234,7 +276,7 @@ class Serving:
                 try:
                     self.engine.check_prompt(ids)
                 except RequestError as err:
-                    raise APIError(400, str(err), param="prompt") from None
+                    raise APIError(400, str(err), param="prompt", code=err.code) from None
             choices = [ChoiceOutput(p_index * n + j, new_id("req"), ids, self.engine.tokenizer, end_ids, stops, 0,
                                     logprobs=params.logprobs is not None)
                        for p_index, ids in enumerate(prompts) for j in range(n)]
@@ -313,8 +355,8 @@ class Serving:
                 choice = by_index[event.choice]
                 if choice.finished:
                     continue
-                if event.kind == "error":
-                    raise APIError(400, event.message)
+                if event.kind == "error":  # the engine failed (our bug, not the request's)
+                    raise APIError(500, event.message, code="internal_error")
                 choice.add(event.ids, event.logprobs)
                 if event.kind == "done":
                     choice.finish(event.result, event.joules)
@@ -374,8 +416,8 @@ class Serving:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         self._check_model(body.model)
-        params = self._params(body, body.max_tokens or None)  # 0: nothing to decode, no canvas
         prompts = self._completion_prompts(body)
+        params = self._params(body, body.max_tokens or None, max(map(len, prompts)))  # 0: nothing to decode
         echoes = await self._echoes(prompts, params, body) if body.echo else None
         return await self._serve(body, request, prompts, params, body.max_tokens, chat=False, echoes=echoes)
 
@@ -408,9 +450,10 @@ class Serving:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
         self._check_model(body.model)
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        params = self._params(body, max_tokens)
-        return await self._serve(body, request, [self._chat_prompt(body)], params, max_tokens, chat=True)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        prompt = self._chat_prompt(body)
+        params = self._params(body, max_tokens or None, len(prompt))  # 0: nothing to decode
+        return await self._serve(body, request, [prompt], params, max_tokens, chat=True)
 
     async def _serve(self, body: Union[CompletionRequest, ChatCompletionRequest], request: Request,
                      prompts: list[list[int]], params: DecodeParams, max_tokens: Optional[int], chat: bool,

@@ -95,3 +95,23 @@ def test_generate_bad_knob_names_it(fixtures):
 def test_generate_text_without_tokenizer_is_an_error(fixtures):
     out = _run("generate", "--model", str(fixtures / "llada_tiny"), "--prompt", "hello")
     assert out.returncode == 2 and "tokenizer" in out.stderr
+
+
+def test_score_ranks_continuations_with_the_engines_numbers():
+    model = Path(__file__).resolve().parents[1] / "models" / "llada-tiny"
+    right, wrong = "7+8+0=15;5+3+1=09;4+0+0=04;0+0+0=00;=00495", "7+8+0=15;5+3+1=09;4+0+0=04;0+0+0=00;=00595"
+    out = _run("score", "--model", str(model), "--chat", "--context", "0457+0038", "--continuation", right,
+               "--continuation", wrong, "--samples", "4", "--seed", "3", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert rows[0]["logprob"] > rows[1]["logprob"] and rows[0]["tokens"] == len(right)
+
+    from engine import Engine, EngineConfig
+    from engine.chat import chat_prompt_ids
+
+    engine = Engine(EngineConfig(model=str(model)))
+    context = chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": "0457+0038"}])
+    ids = context + engine.tokenizer.encode(right, add_special_tokens=False)
+    assert rows[0]["token_logprobs"] == pytest.approx(engine.score(ids, 4, seed=3)[len(context):], abs=1e-9)
+    bad = _run("score", "--model", str(model), "--context", "x", "--continuation", "y", "--samples", "0")
+    assert bad.returncode == 2 and "score_samples" in bad.stderr

@@ -52,11 +52,17 @@ def _float_knobs(request: Request) -> list[float]:
             p.threshold, p.top_p if p.top_p is not None else 1.0, p.min_p or 0.0]
 
 
+# Integer knobs live in int64 tensors. Values past this mean the same as this one (a top_k above the
+# vocabulary keeps every token, a patience above the steps of a block never runs out).
+_TENSOR_INT_MAX = torch.iinfo(torch.long).max
+
+
 def _int_knobs(request: Request) -> list[int]:
     p = request.params
     policy = POLICIES[p.policy]
-    return [p.patience, p.min_commit, p.top_k_on, request.steps_per_block, request.num_blocks,
-            request.block_length, policy.family, policy.conf_kind]
+    values = [p.patience, p.min_commit, p.top_k_on, request.steps_per_block, request.num_blocks,
+              request.block_length, policy.family, policy.conf_kind]
+    return [min(v, _TENSOR_INT_MAX) for v in values]
 
 
 def _bool_knobs(request: Request) -> list[bool]:

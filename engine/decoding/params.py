@@ -73,11 +73,8 @@ class DecodeParams:
     min_commit: int = 1
 
     def __post_init__(self) -> None:
-        _check_choice("policy", self.policy, POLICIES)
-        _check_choice("cache", self.cache, CACHE_MODES)
-        _check_choice("block_schedule_mode", self.block_schedule_mode, BLOCK_SCHEDULE_MODES)
-        _check_choice("eta_denominator", self.eta_denominator, ETA_DENOMINATORS)
-        _check_choice("grinding_exit", self.grinding_exit, GRINDING_EXITS)
+        for name, choices in FIELD_CHOICES.items():
+            _check_choice(name, getattr(self, name), choices)
         for name in ("early_exit", "ignore_eos", "block_schedule", "position_factors", "budgets", "grinding",
                      "commit_first_at_block_start"):
             _check_bool(name, getattr(self, name))
@@ -171,6 +168,26 @@ def field_types() -> dict[str, tuple[type, bool]]:
         optional = text.startswith("Optional[")
         out[f.name] = (scalar[text.removeprefix("Optional[").removesuffix("]")], optional)
     return out
+
+
+# The knobs that take one of a few words, and those words (the schema's enums).
+FIELD_CHOICES: dict[str, tuple[str, ...]] = {"policy": POLICIES, "cache": CACHE_MODES,
+                                             "block_schedule_mode": BLOCK_SCHEDULE_MODES,
+                                             "eta_denominator": ETA_DENOMINATORS, "grinding_exit": GRINDING_EXITS}
+
+
+def json_schema() -> dict[str, Any]:
+    """A JSON schema of the `decoding` object: every knob with its type (and its words, where it takes
+    words). Ranges and the rules between knobs are DecodeParams' checks (docs/decoding.md)."""
+    names = {int: "integer", float: "number", str: "string", bool: "boolean"}
+    properties: dict[str, Any] = {}
+    for name, (kind, optional) in field_types().items():
+        schema: dict[str, Any] = {"type": names[kind]}
+        if name in FIELD_CHOICES:
+            schema["enum"] = list(FIELD_CHOICES[name])
+        properties[name] = {"anyOf": [schema, {"type": "null"}]} if optional else schema
+    return {"type": "object", "properties": properties, "additionalProperties": False,
+            "description": "Per-request decoding knobs (DecodeParams; docs/decoding.md)."}
 
 
 def resolve_defaults(params: DecodeParams, architecture: str) -> DecodeParams:
