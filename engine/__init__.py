@@ -2,18 +2,56 @@
 
 The engine knows nothing about HTTP. Entry points: `Engine` (add_request / step / abort /
 has_unfinished, and `generate` for offline batches), `load_model`, `load_tokenizer`.
+
+Names are imported on first use (PEP 562), so that importing a light module of the package (the
+settings, the decoding parameters) does not import torch: `cai-dllm --help` answers at once.
 """
 
-from engine.config import EngineConfig
-from engine.decoding import DecodeParams, GenerationRequest, GenerationResult, generate
-from engine.engine import Engine
-from engine.errors import CheckpointError, DeviceError, RequestError
-from engine.loading.tokenizer import load_tokenizer
-from engine.loading.weights import load_model
-from engine.models import DiffusionTransformer, ModelConfig
-from engine.request import StepOutput
-from engine.special_tokens import SpecialTokens
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "EngineConfig": "engine.config",
+    "DecodeParams": "engine.decoding.params",
+    "GenerationRequest": "engine.decoding.types",
+    "GenerationResult": "engine.decoding.types",
+    "generate": "engine.decoding.generate",
+    "Engine": "engine.engine",
+    "CheckpointError": "engine.errors",
+    "DeviceError": "engine.errors",
+    "RequestError": "engine.errors",
+    "load_tokenizer": "engine.loading.tokenizer",
+    "load_model": "engine.loading.weights",
+    "DiffusionTransformer": "engine.models",
+    "ModelConfig": "engine.models",
+    "StepOutput": "engine.request",
+    "SpecialTokens": "engine.special_tokens",
+}
 
 __all__ = ["CheckpointError", "DecodeParams", "DeviceError", "DiffusionTransformer", "Engine", "EngineConfig",
            "GenerationRequest", "GenerationResult", "ModelConfig", "RequestError", "SpecialTokens", "StepOutput",
            "generate", "load_model", "load_tokenizer"]
+assert sorted(__all__) == sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.decoding.generate import generate
+    from engine.decoding.params import DecodeParams
+    from engine.decoding.types import GenerationRequest, GenerationResult
+    from engine.engine import Engine
+    from engine.errors import CheckpointError, DeviceError, RequestError
+    from engine.loading.tokenizer import load_tokenizer
+    from engine.loading.weights import load_model
+    from engine.models import DiffusionTransformer, ModelConfig
+    from engine.request import StepOutput
+    from engine.special_tokens import SpecialTokens
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

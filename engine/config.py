@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from engine.devices import DTYPE_NAMES
+from engine.dtype_names import DTYPE_ALIASES
 
 
 @dataclass(frozen=True)
@@ -36,5 +36,5 @@ class EngineConfig:
             raise ValueError(f"max_score_tokens must be a positive integer, got {self.max_score_tokens!r}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
-        if self.dtype.lower() not in DTYPE_NAMES:
+        if self.dtype.lower() not in DTYPE_ALIASES:
             raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {self.dtype!r}")

@@ -7,13 +7,10 @@ from typing import Union
 import torch
 import torch.nn.functional as F
 
+from engine.dtype_names import DTYPE_ALIASES
 from engine.errors import DeviceError
 
-DTYPE_NAMES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}
+DTYPE_NAMES: dict[str, torch.dtype] = {alias: getattr(torch, name) for alias, name in DTYPE_ALIASES.items()}
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -187,13 +187,15 @@ class Engine:
     # ------------------------------------------------------------------ offline batches
 
     def generate(self, prompts: Sequence[Prompt],
-                 params: Optional[Union[DecodeParams, Sequence[DecodeParams]]] = None) -> list[GenerationResult]:
+                 params: Optional[Union[DecodeParams, Sequence[DecodeParams]]] = None,
+                 on_finish: Optional[Callable[[GenerationResult], None]] = None) -> list[GenerationResult]:
         """Decode every prompt and return the results in order: a loop over add_request and step.
 
         A prompt is token ids, a GenerationRequest, or text (encoded as is, without a chat template:
         see `engine.chat.chat_prompt_ids`). `params` is one DecodeParams for all prompts or one per
         prompt. Requests beyond `max_batch` wait and join as rows finish, exactly as in the server.
-        With a tokenizer, each result carries its decoded `text`."""
+        With a tokenizer, each result carries its decoded `text`. `on_finish(result)` is called as each
+        request finishes (a progress bar)."""
         if params is None or isinstance(params, DecodeParams):
             params = [params or DecodeParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -218,6 +220,8 @@ class Engine:
             for output in self.step():
                 if output.result is not None:
                     results[output.request_id] = output.result
+                    if on_finish is not None:
+                        on_finish(output.result)
         ordered = [results[request_id] for request_id in order]
         if self.tokenizer is not None:
             for result in ordered:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine import Engine
 from server import openapi
 from server.energy import EnergyMeter, open_meter
-from server.errors import APIError, error_response
+from server.errors import CLIENT_CLOSED_REQUEST, APIError, ClientDisconnected, error_response
 from server.metrics import Metrics
 from server.protocol import (
     ChatCompletionRequest,
@@ -40,10 +41,11 @@ from server.protocol import (
     TokenizeRequest,
 )
 from server.scheduler import EngineLoop
-from server.serving import Serving
+from server.serving import INVALID_UNICODE, Serving
 from server.settings import ServerSettings
 
 EngineFactory = Callable[[ServerSettings], Engine]
+log = logging.getLogger("uvicorn.error")  # uvicorn's own log: its format, its --log-level
 # vLLM's tokenizer routes live outside /v1 but use the model: the API key guards them too
 _GUARDED_OUTSIDE_V1 = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
 
@@ -64,8 +66,8 @@ class AppState:
 
     def __init__(self, settings: ServerSettings, meter: Optional[EnergyMeter]) -> None:
         self.settings = settings
-        self.metrics = Metrics(settings.model_name)
-        self.meter = meter
+        self.meter = meter or open_meter(settings.device)  # before the metrics: energy series only with a meter
+        self.metrics = Metrics(settings.model_name, energy=self.meter.name != "none")
         self.engine: Optional[Engine] = None
         self.loop: Optional[EngineLoop] = None
         self.serving: Optional[Serving] = None
@@ -75,7 +77,10 @@ class AppState:
         self.in_flight = 0
         self.started = time.time()
 
-    def start(self, factory: EngineFactory) -> None:
+    def start(self, factory: EngineFactory, on_failure: Optional[Callable[[str], None]] = None) -> None:
+        began = time.monotonic()
+        settings = self.settings
+        log.info("loading %s on %s (%s)", settings.model, settings.device, settings.dtype)
         try:
             engine = factory(self.settings)
             template = self.settings.chat_template_text()
@@ -83,17 +88,23 @@ class AppState:
                 if engine.tokenizer is None:
                     raise ValueError("--chat-template needs a checkpoint with a tokenizer")
                 engine.tokenizer.chat_template = template
-            meter = self.meter or open_meter(self.settings.device)
-            self.meter = meter
+            meter = self.meter
             loop = EngineLoop(engine, self.settings.max_queue, self.metrics, meter,
                               admission_wait=self.settings.admission_wait_ms / 1000)
-            engine.generate([[0]], engine.default_params().with_overrides(gen_length=4, block_length=4))  # warm-up
+            warm_up = engine.default_params().with_overrides(gen_length=4, block_length=4, steps=4)
+            engine.generate([[0]], warm_up)
             self.serving = Serving(engine, loop, self.settings, self.metrics)
             self.engine, self.loop = engine, loop
             loop.start()
             self.ready.set()
-        except Exception as err:  # reported by /ready and /health; the process keeps answering
+            log.info("ready in %.1f s: serving %s (%s, %s attention) on http://%s:%d", time.monotonic() - began,
+                     settings.model_name, engine.architecture, engine.model.attention_backend, settings.host,
+                     settings.port)
+        except Exception as err:  # reported by /ready and /health; `serve` also ends the process
             self.load_error = f"{type(err).__name__}: {err}"
+            log.error("the model failed to load: %s", self.load_error)
+            if on_failure is not None:
+                on_failure(self.load_error)
 
     def limits(self) -> Optional[openapi.Limits]:
         """The bounds the OpenAPI document states, once the model is loaded."""
@@ -113,12 +124,17 @@ class AppState:
 
 
 def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_engine,
-               meter: Optional[EnergyMeter] = None) -> FastAPI:
+               meter: Optional[EnergyMeter] = None,
+               on_load_failure: Optional[Callable[[str], None]] = None) -> FastAPI:
+    """The app; the model loads in a thread when it starts. `on_load_failure(reason)` is called if
+    the model fails to load (`cai-dllm serve` ends the process; without it the app keeps answering,
+    with /health and /ready at 503 saying why)."""
     state = AppState(settings, meter)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
-        loader = threading.Thread(target=state.start, args=(engine_factory,), name="cai-dllm-load", daemon=True)
+        loader = threading.Thread(target=state.start, args=(engine_factory, on_load_failure), name="cai-dllm-load",
+                                  daemon=True)
         loader.start()
         yield
         if state.loop is not None:
@@ -144,6 +160,12 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
         return error_response(err.status_code, message, code="not_found" if err.status_code == 404 else None,
                               headers=dict(err.headers or {}))
 
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(_: Request, __: ClientDisconnected) -> Response:
+        state.metrics.labels(state.metrics.client_disconnects).inc()
+        log.info("client disconnected before its answer: the request was aborted and its rows freed")
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
     @app.exception_handler(Exception)
     async def internal_error(_: Request, err: Exception) -> JSONResponse:
         return error_response(500, f"Internal server error: {type(err).__name__}", code="internal_error")
@@ -155,14 +177,22 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
             if len(raw) > settings.max_body_bytes:
                 raise APIError(413, f"Request body exceeds {settings.max_body_bytes} bytes", code="request_too_large")
         try:
-            data = json.loads(bytes(raw).decode("utf-8"))
+            data = json.loads(bytes(raw).decode("utf-8"), parse_constant=_not_a_json_number)
         except UnicodeDecodeError:
             raise APIError(400, "Request body is not valid UTF-8", code="invalid_json") from None
         except (json.JSONDecodeError, RecursionError):
             raise APIError(400, "Request body is not valid JSON (or is nested too deeply)",
                            code="invalid_json") from None
+        except NotAJsonNumber as err:
+            raise APIError(400, f"Request body is not valid JSON: {err} is not a number in JSON",
+                           code="invalid_json") from None
         if not isinstance(data, dict):
             raise APIError(400, "Request body must be a JSON object", code="invalid_json")
+        try:  # a \ud800-style escape with no pair decodes to a lone surrogate: no text, no token
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, "Request body holds a string with a lone surrogate escape (\\ud800-\\udfff "
+                           "without its pair): not valid Unicode text", code=INVALID_UNICODE) from None
         return data
 
     async def read_body(request: Request, model: type) -> Any:
@@ -241,6 +271,8 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
     async def health() -> Response:
         if state.load_error:
             return error_response(503, f"model failed to load: {state.load_error}", code="load_failed")
+        if not state.ready.is_set():  # healthy means serving: a loading server is not yet
+            return error_response(503, "loading the model", code="not_ready")
         loop = state.loop
         if loop is not None:
             if not loop.alive:
@@ -319,8 +351,18 @@ class GuardMiddleware:
             await self.app(scope, receive, tracked_send)
         finally:
             state.in_flight -= 1
-            if guarded and status.get("code", 500) >= 400:
+            if guarded and status.get("code", 500) >= 400 and status.get("code") != CLIENT_CLOSED_REQUEST:
                 state.metrics.labels(state.metrics.request_errors, status=str(status.get("code", 500))).inc()
+
+
+class NotAJsonNumber(ValueError):
+    pass
+
+
+def _not_a_json_number(constant: str) -> Any:
+    """Python's json reads NaN and Infinity; JSON has no such numbers (and `temperature: NaN` would
+    otherwise be refused as "should be <= 2")."""
+    raise NotAJsonNumber(constant)
 
 
 def _authorized(header: str, key: str) -> bool:
@@ -328,13 +370,32 @@ def _authorized(header: str, key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
+# After the shutdown timeout, how long the answers of the requests cut off may take to be written.
+_FLUSH_SECONDS = 5.0
+
+
 async def drain(app: FastAPI, timeout: float) -> None:
-    """Stop accepting work (503) and wait for the requests in flight, at most `timeout` seconds."""
+    """Stop accepting work (503) and wait for the requests in flight, at most `timeout` seconds;
+    then end what is left with a 503 (whole responses) or an error event and [DONE] (streams), and
+    wait, briefly, for those answers to be sent."""
     state: AppState = app.state.cai
     state.draining = True
-    deadline = time.monotonic() + timeout
+    log.info("shutting down: finishing %d request(s) in flight, at most %g s",
+             state.loop.num_pending if state.loop is not None else 0, timeout)
+    if await _settled(state, time.monotonic() + timeout):
+        return
+    if state.loop is not None:
+        log.warning("shutdown timeout: ending %d request(s) still in flight with 503", state.loop.num_pending)
+        state.loop.shut_out(f"The server is shutting down: the request did not finish within the shutdown "
+                            f"timeout ({timeout:g} s)")
+    await _settled(state, time.monotonic() + _FLUSH_SECONDS)
+
+
+async def _settled(state: AppState, deadline: float) -> bool:
+    """Wait until no request is in flight or the deadline passes; whether none is."""
     while time.monotonic() < deadline:
         pending = state.loop.num_pending if state.loop is not None else 0
         if pending == 0 and state.in_flight == 0:
-            return
+            return True
         await asyncio.sleep(0.05)
+    return False

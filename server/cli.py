@@ -43,6 +43,26 @@ def _decode_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in field_types() if getattr(args, name) is not None}
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless it says it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.required or action.default in (None, argparse.SUPPRESS):
+            return text
+        if action.default is False and action.nargs == 0:
+            return f"{text} (default: off)"
+        return f"{text} (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """The command line's parsers (its subcommands' too: argparse makes them of the same class)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def _json_list(raw: str) -> list[str]:
     value = json.loads(raw)
     if not isinstance(value, list):
@@ -56,15 +76,12 @@ def _shown(value: Any) -> str:
 
 def _engine_flag_options() -> dict[str, dict[str, Any]]:
     """The EngineConfig flags every command that loads a model shares (but for their defaults)."""
-    from engine.devices import DTYPE_NAMES
+    from engine.dtype_names import CANONICAL_DTYPES, DTYPE_ALIASES
 
-    canonical: dict[Any, str] = {}  # torch dtype -> its first name
-    for name, torch_dtype in DTYPE_NAMES.items():
-        canonical.setdefault(torch_dtype, name)
-    aliases = [name for name in DTYPE_NAMES if name not in canonical.values()]
+    aliases = [name for name in DTYPE_ALIASES if name not in CANONICAL_DTYPES]
     return {"device": {"help": "cpu, cuda or cuda:N"},
-            "dtype": {"type": str.lower, "choices": tuple(DTYPE_NAMES),
-                      "metavar": "{" + ",".join(canonical.values()) + "}",
+            "dtype": {"type": str.lower, "choices": tuple(DTYPE_ALIASES),
+                      "metavar": "{" + ",".join(CANONICAL_DTYPES) + "}",
                       "help": f"weights and activations; aliases: {', '.join(aliases)}"},
             "max_batch": {"type": int, "help": "rows decoded together per step"}}
 
@@ -202,11 +219,15 @@ def _eval(args: argparse.Namespace) -> int:
             print(f"error: unknown configuration {unknown[0]!r}; known: {'; '.join(by_name)}", file=sys.stderr)
             return 2
         configs = [by_name[w] if w in by_name else EvalConfig(w, json.loads(w)) for w in wanted]
+    from tqdm import tqdm
+
     problems = held_out_problems(args.n, args.seed)
     print(f"# {args.n} held-out problems (seed {args.seed}) on {hardware()}, model {args.model}", flush=True)
-    reports = evaluate(engine, problems, configs, batch_size=args.batch_size,
-                       progress=lambda r: print(f"  {r.name}: {100 * r.correct / max(1, r.n):.1f}% in "
-                                                f"{r.seconds:.1f}s", file=sys.stderr, flush=True))
+    # one bar over configurations x problems, with its rate and ETA; each configuration's line above it
+    with tqdm(total=len(configs) * len(problems), unit="problem", file=sys.stderr, dynamic_ncols=True) as bar:
+        reports = evaluate(engine, problems, configs, batch_size=args.batch_size, on_problem=lambda: bar.update(),
+                           progress=lambda r: bar.write(f"  {r.name}: {100 * r.correct / max(1, r.n):.1f}% in "
+                                                        f"{r.seconds:.1f}s", file=sys.stderr))
     print(format_table(reports))
     if args.json:
         with open(args.json, "w") as f:
@@ -232,7 +253,17 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    app = create_app(settings)
+    taken = _port_refusal(settings.host, settings.port)
+    if taken is not None:  # before loading anything: a one-line error, not a model load and a traceback
+        print(f"error: cannot listen on {settings.host}:{settings.port}: {taken}", file=sys.stderr)
+        return 1
+    load_failure: list[str] = []
+
+    def end_on_load_failure(reason: str) -> None:  # a server that cannot serve should not look alive
+        load_failure.append(reason)
+        server.should_exit = True
+
+    app = create_app(settings, on_load_failure=end_on_load_failure)
 
     class DrainingServer(uvicorn.Server):
         """On SIGTERM/SIGINT: answer 503 to new work, finish what is in flight (up to
@@ -249,11 +280,46 @@ def _serve(args: argparse.Namespace) -> int:
 
             asyncio.get_event_loop().call_soon_threadsafe(lambda: asyncio.ensure_future(finish()))
 
+    # drain() has waited the shutdown timeout and answered what was left: uvicorn only closes sockets
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=settings.shutdown_timeout)
+                            timeout_graceful_shutdown=_CLOSE_SECONDS)
     server = DrainingServer(config)
-    server.run()
+    try:
+        server.run()
+    except SystemExit:  # uvicorn could not bind after all (it has logged why)
+        _exit_now(1)
+    if load_failure:
+        print(f"error: the model failed to load: {load_failure[0]}", file=sys.stderr)
+        _exit_now(1)
     return 0
+
+
+_CLOSE_SECONDS = 5  # after the drain, for uvicorn to close the connections
+
+
+def _port_refusal(host: str, port: int) -> Optional[str]:
+    """Why (host, port) cannot be listened on, or None."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(address)
+    except OSError as err:
+        return err.strerror or str(err)
+    return None
+
+
+def _exit_now(code: int) -> None:
+    """Exit without waiting on the model-loading thread: torch's threads still running at interpreter
+    shutdown abort the process (exit 134) instead of letting it end with `code`."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
@@ -289,7 +355,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cai-dllm", description="Convergence-aware inference server "
+    parser = _Parser(prog="cai-dllm", description="Convergence-aware inference server "
                                      "for masked diffusion language models (LLaDA, Dream).")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -315,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--continuation", action="append", required=True, help="a continuation to score (repeatable)")
     sc.add_argument("--chat", action="store_true", help="wrap --context as a user turn of the chat template")
     sc.add_argument("--samples", type=int, default=None, help="samples per split (default: the decoding default)")
-    sc.add_argument("--seed", type=int, default=0)
+    sc.add_argument("--seed", type=int, default=0, help="seeds the masks: the same seed, the same numbers")
     _add_engine_flags(sc, ("device", "dtype"))
     sc.add_argument("--json", action="store_true", help="print one JSON object per continuation")
     sc.set_defaults(func=_score)
@@ -323,11 +389,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="compare decoding configurations on held-out built-in task problems")
     ev.add_argument("--model", required=True, help="a built-in model directory (models/llada-tiny, ...)")
     ev.add_argument("--n", type=int, default=200, help="held-out problems")
-    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--seed", type=int, default=0, help="which held-out problems are drawn")
     _add_engine_flags(ev, ("max_batch",), max_batch="batch_size")
     ev.add_argument("--configs", help="';'-separated configuration names, or JSON objects of decoding knobs")
-    ev.add_argument("--gen-length", type=int, default=128)
-    ev.add_argument("--block-length", type=int, default=32)
+    ev.add_argument("--gen-length", type=int, default=128, help="generation canvas of every configuration")
+    ev.add_argument("--block-length", type=int, default=32, help="block length of every configuration")
     _add_engine_flags(ev, ("device", "dtype"))
     ev.add_argument("--json", help="also write the full report to this file")
     ev.set_defaults(func=_eval)
@@ -380,44 +446,45 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     load = bs.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, help="requests in flight at once (closed loop; default 8)")
-    load.add_argument("--request-rate", type=float, help="requests per second, Poisson arrivals (open loop)")
-    bs.add_argument("--num-requests", type=int, default=100)
+    load.add_argument("--request-rate", type=float,
+                      help="requests per second, Poisson arrivals (open loop; default: closed loop)")
+    bs.add_argument("--num-requests", type=int, default=100, help="requests to send in all")
     bs.add_argument("--dataset", default="builtin", help="'builtin' (held-out task problems) or a JSONL file")
     bs.add_argument("--decoding", help="JSON object of decoding knobs sent with every request")
     bs.add_argument("--model", help="model id (default: the first of /v1/models)")
-    bs.add_argument("--max-tokens", type=int)
-    bs.add_argument("--api-key")
-    bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--max-tokens", type=int, help="max_tokens of every request (default: the server's)")
+    bs.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (default: none)")
+    bs.add_argument("--seed", type=int, default=0, help="which problems, in which order")
     bs.add_argument("--json", help="also write the full report, every request included, to this file")
     bs.set_defaults(func=_bench_serve)
 
     tr = sub.add_parser("train", help="train a built-in tiny model on the task family",
                         description="Flags left out take the built-in recipe: the defaults of "
-                                    "tinymodels.train.TrainConfig (docs/models.md).")
-    tr.add_argument("--arch", choices=("llada", "dream"))
-    tr.add_argument("--out", required=True)
-    tr.add_argument("--d-model", type=int)
-    tr.add_argument("--layers", type=int)
-    tr.add_argument("--heads", type=int)
-    tr.add_argument("--mlp-hidden", type=int)
-    tr.add_argument("--rope-theta", type=float, help="RoPE base (the 8B models' bases are for "
-                    "head dims of 128)")
-    tr.add_argument("--batch-size", type=int)
-    tr.add_argument("--steps", type=int)
-    tr.add_argument("--lr", type=float)
-    tr.add_argument("--warmup", type=int)
-    tr.add_argument("--weight-decay", type=float, help="decoupled weight decay")
-    tr.add_argument("--optimizer", choices=("adamw", "muon"),
-                    help="muon: Muon on the hidden weight matrices, AdamW on the rest")
-    tr.add_argument("--seed", type=int)
-    tr.add_argument("--micro-batches", type=int, help="length-sorted groups per step, each its own canvas")
-    tr.add_argument("--full-canvas-share", type=float, help="share of groups given the full canvas")
-    tr.add_argument("--max-extra-fill", type=int, help="most end tokens after the longest response")
-    tr.add_argument("--prefix-mask-share", type=float,
-                    help="share of examples masked only after a random cut in the canvas")
+                                    "tinymodels.train_config.TrainConfig (docs/models.md).")
+    from tinymodels.train_config import OPTIMIZERS, TrainConfig
+
+    recipe = TrainConfig()
+    train_flags: dict[str, tuple[type, str]] = {
+        "arch": (str, "checkpoint format"), "d_model": (int, "hidden size"), "layers": (int, "decoder layers"),
+        "heads": (int, "attention heads"), "mlp_hidden": (int, "MLP hidden size"),
+        "rope_theta": (float, "RoPE base (the 8B models' bases are for head dims of 128)"),
+        "batch_size": (int, "examples a step"), "steps": (int, "optimizer steps"), "lr": (float, "peak learning rate"),
+        "warmup": (int, "warm-up steps"), "weight_decay": (float, "decoupled weight decay"),
+        "optimizer": (str, "muon: Muon on the hidden weight matrices, AdamW on the rest"),
+        "seed": (int, "examples, masks and initial weights"),
+        "micro_batches": (int, "length-sorted groups per step, each its own canvas"),
+        "full_canvas_share": (float, "share of groups given the full canvas"),
+        "max_extra_fill": (int, "most end tokens after the longest response"),
+        "prefix_mask_share": (float, "share of examples masked only after a random cut in the canvas"),
+    }
+    choices = {"arch": ("llada", "dream"), "optimizer": OPTIMIZERS}
+    tr.add_argument("--out", required=True, help="the checkpoint directory to write")
+    for name, (kind, text) in train_flags.items():
+        tr.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(recipe, name), help=text,
+                        choices=choices.get(name))
     tr.add_argument("--device", default="cpu", help="where the arithmetic runs (examples and masks are the same)")
-    tr.add_argument("--threads", type=int)
-    tr.add_argument("--max-minutes", type=float, help="stop (and save) after this long")
+    tr.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    tr.add_argument("--max-minutes", type=float, help="stop (and save) after this long (default: no limit)")
     tr.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
     tr.set_defaults(func=_train)
     return parser
@@ -426,6 +493,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        return _dispatch(parser, args)
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback (the shell's exit code for SIGINT)
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "generate" and not (args.prompt or args.prompt_ids):
         parser.error("generate needs --prompt or --prompt-ids")
     if args.command == "bench" and args.concurrency is None and args.request_rate is None:

@@ -36,3 +36,11 @@ def error_body(status: int, message: str, param: Optional[str] = None, code: Opt
 def error_response(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
                    headers: Optional[dict[str, str]] = None) -> JSONResponse:
     return APIError(status, message, param, code, headers).response()
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its answer; its rows are already aborted. Answered with 499
+    (nginx's "client closed request", which nobody receives) and counted as a disconnect, not an error."""
+
+
+CLIENT_CLOSED_REQUEST = 499

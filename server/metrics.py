@@ -1,8 +1,21 @@
-"""Prometheus metrics, prefix `caidllm:`, label `model_name`: one registry per app."""
+"""Prometheus metrics, prefix `caidllm:`, label `model_name`: one registry per app, with the standard
+`process_*` and `python_*` collectors. Energy series exist only where an energy meter is read: with
+none, a dashboard shows "no data", never an invented 0 J."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from typing import Optional
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -10,10 +23,14 @@ _JOULES = (0.01, 0.1, 0.5, 1, 5, 10, 50, 100, 500, 1000, 5000)
 
 
 class Metrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, energy: bool = True) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         r, label = self.registry, ["model_name"]
+        # the defaults register with prometheus_client's global registry; these are this app's own
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         self.running = Gauge("caidllm:num_requests_running", "Requests decoding in the batch", label, registry=r)
         self.waiting = Gauge("caidllm:num_requests_waiting", "Requests waiting for a row", label, registry=r)
         self.prompt_tokens = Counter("caidllm:prompt_tokens", "Prompt tokens of finished requests", label,
@@ -42,14 +59,21 @@ class Metrics:
         self.steps = Counter("caidllm:decode_steps", "Denoising steps taken (row-steps)", label, registry=r)
         self.forced = Counter("caidllm:forced_commits", "Tokens committed below their threshold", label, registry=r)
         self.grinding = Counter("caidllm:grinding_exits", "Grinding-phase detector firings", label, registry=r)
-        self.request_joules = Histogram("caidllm:request_energy_joules", "Energy per request (measured)", label,
-                                        buckets=_JOULES, registry=r)
-        self.joules = Counter("caidllm:energy_joules", "Energy measured during engine steps", label, registry=r)
+        self.client_disconnects = Counter("caidllm:client_disconnects", "Requests whose client went away before "
+                                          "the answer (the row freed)", label, registry=r)
+        self.request_joules: Optional[Histogram] = None
+        self.joules: Optional[Counter] = None
+        if energy:
+            self.request_joules = Histogram("caidllm:request_energy_joules", "Energy per request (measured)", label,
+                                            buckets=_JOULES, registry=r)
+            self.joules = Counter("caidllm:energy_joules", "Energy measured during engine steps", label, registry=r)
         # Series exist from start-up (at 0), so rates and dashboards show 0 rather than "no data".
         for metric in (self.running, self.waiting, self.prompt_tokens, self.generation_tokens, self.ttft, self.e2e,
                        self.queue_time, self.batch_size, self.nfe, self.tokens_per_step, self.steps_saved_request,
-                       self.steps_saved, self.steps, self.forced, self.grinding, self.request_joules, self.joules):
-            self.labels(metric)
+                       self.steps_saved, self.steps, self.forced, self.grinding, self.client_disconnects,
+                       self.request_joules, self.joules):
+            if metric is not None:
+                self.labels(metric)
 
     def labels(self, metric, **extra):  # type: ignore[no-untyped-def]
         return metric.labels(model_name=self.model_name, **extra)

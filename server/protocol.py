@@ -92,7 +92,8 @@ class _Sampling(_Body):
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     decoding: Annotated[Optional[dict[str, Any]],
-                        WithJsonSchema({"anyOf": [decoding_schema(), {"type": "null"}]})] = None
+                        WithJsonSchema({"anyOf": [decoding_schema(leave_out=("gen_length",)),  # max_tokens sets it
+                                                  {"type": "null"}]})] = None
     presence_penalty: neutral("presence_penalty", [0, None]) = None  # type: ignore[valid-type]
     frequency_penalty: neutral("frequency_penalty", [0, None]) = None  # type: ignore[valid-type]
     repetition_penalty: neutral("repetition_penalty", [1, None]) = None  # type: ignore[valid-type]

@@ -15,6 +15,7 @@ share of a step and by `admission_wait`, and only while recent refills came that
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections import deque
@@ -29,10 +30,17 @@ from server.energy import EnergyMeter, share_energy
 from server.metrics import Metrics
 
 _IDLE_WAIT = 0.05
+_RATE_WINDOW = 64  # completions the Retry-After rate is measured over
+_RATE_HORIZON = 60.0  # seconds: older completions say nothing about the rate now
+RETRY_AFTER_MAX = 300  # seconds: beyond it a client had better give up than wait on our estimate
 
 
 class QueueFull(Exception):
     pass
+
+
+class ShuttingDown(Exception):
+    """A job that was still waiting when the server stopped serving."""
 
 
 @dataclass
@@ -44,6 +52,8 @@ class Event:
     result: Optional[GenerationResult] = None
     message: str = ""
     joules: Optional[float] = None
+    status: int = 500  # of an "error": 500 for our failure, 503 when shutting down
+    code: Optional[str] = None
 
 
 @dataclass
@@ -94,6 +104,7 @@ class EngineLoop:
         self.step_seconds = 0.0  # moving average of a step's duration, for the admission wait
         self._refills = RefillTracker(horizon=2 * admission_wait)
         self._jobs: deque[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future]] = deque()
+        self._finish_times: deque[float] = deque(maxlen=_RATE_WINDOW)  # when the last requests finished
         self._thread = threading.Thread(target=self._run, name="cai-dllm-engine", daemon=True)
 
     # ------------------------------------------------------------------ called from the event loop
@@ -134,6 +145,18 @@ class EngineLoop:
             self._refills.request_arrived(time.monotonic())
         self._update_gauges()
         self._wake.set()
+
+    def retry_after(self) -> int:
+        """Seconds until the waiting queue has room again, for a 429's Retry-After: the requests
+        ahead (waiting, plus this one) over the recent completion rate, whole seconds in
+        [1, RETRY_AFTER_MAX]. With no completions yet to measure a rate from: 1."""
+        now = time.perf_counter()
+        times = [t for t in self._finish_times if now - t <= _RATE_HORIZON]
+        if len(times) < 2 or times[-1] <= times[0]:
+            return 1
+        rate = (len(times) - 1) / (times[-1] - times[0])  # requests finished per second, lately
+        waiting = self.engine.num_waiting + 1
+        return max(1, min(RETRY_AFTER_MAX, math.ceil(waiting / rate)))
 
     def run_job(self, job: Callable[[], Any]) -> asyncio.Future:
         """Run `job` (model work outside decoding: likelihood scoring) on the engine thread between two
@@ -189,6 +212,19 @@ class EngineLoop:
             except Exception as err:  # a bug of ours: fail the rows in flight, keep serving
                 self._fail_all(f"internal error in the engine: {err!r}")
 
+    def shut_out(self, message: str) -> None:
+        """End every request in flight now (the shutdown timeout ran out): each gets a 503 error
+        event and its rows are freed; scoring jobs not yet run fail the same way. Any thread."""
+        with self._lock:
+            subs, self._active = list(self._active.values()), {}
+            jobs, self._jobs = list(self._jobs), deque()
+        for sub in subs:
+            self.engine.abort(sub.request.request_id)
+            sub.post(Event("error", sub.choice, message=message, status=503, code="shutting_down"))
+        for _, loop, future in jobs:
+            loop.call_soon_threadsafe(_settle, future, None, ShuttingDown(message))
+        self._wake.set()
+
     def _fail_all(self, message: str) -> None:
         with self._lock:
             failed, self._active = list(self._active.values()), {}
@@ -239,7 +275,8 @@ class EngineLoop:
             subs = [self._active.get(o.request_id) for o in outputs]
         if before is not None and after is not None and outputs:
             step_joules = max(0.0, after - before)
-            m.labels(m.joules).inc(step_joules)
+            if m.joules is not None:
+                m.labels(m.joules).inc(step_joules)
             shares = share_energy(step_joules, {o.request_id: o.fed_tokens for o in outputs})
             for sub, output in zip(subs, outputs, strict=True):
                 if sub is not None:
@@ -255,6 +292,8 @@ class EngineLoop:
             if event is not None:
                 by_loop.setdefault(sub.loop, []).append((sub.queue, event))
             finished += output.finished
+            if output.finished:
+                self._finish_times.append(now)
         for loop, events in by_loop.items():
             loop.call_soon_threadsafe(_deliver, events)
         self._update_gauges()
@@ -297,6 +336,6 @@ class EngineLoop:
         m.labels(m.steps).inc(stats.steps)
         m.labels(m.forced).inc(stats.forced_commits)
         m.labels(m.grinding).inc(stats.grinding_exits)
-        if self.meter.name != "none":
+        if self.meter.name != "none" and m.request_joules is not None:
             m.labels(m.request_joules).observe(sub.joules)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
 from collections.abc import AsyncIterator
@@ -30,7 +31,7 @@ from engine.decoding import DecodeParamError, DecodeParams, GenerationRequest
 from engine.decoding.params import field_types
 from engine.decoding.types import TokenLogprob
 from engine.loading.tokenizer import encode_text
-from server.errors import APIError, error_body
+from server.errors import APIError, ClientDisconnected, error_body
 from server.metrics import Metrics
 from server.output import ChoiceOutput, Echo, LoggedToken
 from server.protocol import (
@@ -60,9 +61,10 @@ from server.protocol import (
     new_id,
     now,
 )
-from server.scheduler import EngineLoop, QueueFull, Submission
+from server.scheduler import EngineLoop, QueueFull, ShuttingDown, Submission
 from server.settings import ServerSettings
 
+log = logging.getLogger("uvicorn.error")
 DEFAULT_BLOCK = 32
 # The error codes of the rules a schema cannot state (docs/server.md): a schema-valid request is
 # answered, or refused with one of these (tests/test_fuzz.py checks exactly that).
@@ -73,9 +75,9 @@ LOGPROBS_REQUIRED = "logprobs_required"  # top_logprobs without logprobs: true
 CHAT_TEMPLATE_ERROR = "chat_template_error"  # the checkpoint's template refuses these messages
 EMPTY_PROMPT = "empty_prompt"  # a text that encodes to no token
 SCORING_TOO_LARGE = "scoring_too_large"  # echo + logprobs above --max-score-tokens
+INVALID_UNICODE = "invalid_unicode"  # a lone surrogate escape in a string (valid JSON, not text)
 CROSS_FIELD_CODES = (CONTEXT_LENGTH_EXCEEDED, INVALID_DECODING, TOO_MANY_CHOICES, LOGPROBS_REQUIRED,
-                     CHAT_TEMPLATE_ERROR, EMPTY_PROMPT, SCORING_TOO_LARGE)
-RETRY_AFTER_SECONDS = 1
+                     CHAT_TEMPLATE_ERROR, EMPTY_PROMPT, SCORING_TOO_LARGE, INVALID_UNICODE)
 # How often a request waiting on the engine checks whether its client is still there.
 _DISCONNECT_POLL_SECONDS = 0.25
 
@@ -165,6 +167,9 @@ class Serving:
 
     def _params(self, body: Union[CompletionRequest, ChatCompletionRequest], max_tokens: Optional[int],
                 longest_prompt: int) -> DecodeParams:
+        if body.decoding and "gen_length" in body.decoding:  # one way to set the canvas, not two
+            raise APIError(400, "decoding.gen_length: the generation canvas is set by max_tokens "
+                           "(max_completion_tokens in chat)", param="decoding.gen_length", code=INVALID_DECODING)
         knobs: dict[str, Any] = {**self._defaults, **_integral_knobs(body.decoding or {})}
         for name in ("temperature", "seed", "top_p", "top_k", "min_p"):
             if getattr(body, name) is not None:
@@ -219,6 +224,17 @@ class Serving:
         if str(knobs.get("policy", "")).startswith("dream-") or room <= DEFAULT_BLOCK:
             return room
         return room // DEFAULT_BLOCK * DEFAULT_BLOCK
+
+    def _context_param(self, body: Union[CompletionRequest, ChatCompletionRequest], prompt_len: int,
+                       max_tokens: Optional[int]) -> str:
+        """The field a context overflow is about: the prompt when it fills the context alone, the
+        block length when only rounding max_tokens up to whole blocks overflows, else max_tokens."""
+        if prompt_len >= self.max_model_len:
+            return "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        if max_tokens is not None and prompt_len + max_tokens <= self.max_model_len \
+                and "block_length" in (body.decoding or {}):
+            return "decoding.block_length"
+        return "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
 
     def _check_model(self, model: Optional[str]) -> None:
         if model is not None and model != self.settings.model_name:
@@ -300,8 +316,11 @@ class Serving:
                 self.loop.abort(request_id)
             if isinstance(err, QueueFull):
                 raise APIError(429, "The server is at capacity: the waiting queue is full; retry later",
-                               code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
-            param = {"gen_length": "max_tokens", "logprobs": self._logprobs_field(body)}.get(err.param, "prompt")
+                               code="queue_full", headers={"Retry-After": str(self.loop.retry_after())}) from None
+            if err.code == CONTEXT_LENGTH_EXCEEDED:
+                param = self._context_param(body, max(map(len, prompts)), max_tokens)
+            else:
+                param = {"gen_length": "max_tokens", "logprobs": self._logprobs_field(body)}.get(err.param, "prompt")
             raise APIError(400, str(err), param=param, code=err.code) from None
         return choices, queue
 
@@ -355,8 +374,8 @@ class Serving:
                 choice = by_index[event.choice]
                 if choice.finished:
                     continue
-                if event.kind == "error":  # the engine failed (our bug, not the request's)
-                    raise APIError(500, event.message, code="internal_error")
+                if event.kind == "error":  # the engine failed (our bug: 500), or the server is stopping (503)
+                    raise APIError(event.status, event.message, code=event.code or "internal_error")
                 choice.add(event.ids, event.logprobs)
                 if event.kind == "done":
                     choice.finish(event.result, event.joules)
@@ -437,9 +456,11 @@ class Serving:
             except RequestError as err:
                 param = "decoding.score_samples" if err.param == "score_samples" else "prompt"
                 raise APIError(400, str(err), param=param, code=err.code) from None
+            except ShuttingDown as err:
+                raise APIError(503, str(err), code="shutting_down") from None
             except QueueFull:
                 raise APIError(429, "The server is at capacity: the waiting queue is full; retry later",
-                               code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+                               code="queue_full", headers={"Retry-After": str(self.loop.retry_after())}) from None
             logged, offset = [], 0
             for token, value in zip(ids, scores, strict=True):
                 piece = tokenizer.decode([token]) if tokenizer is not None else str(token)
@@ -473,7 +494,7 @@ class Serving:
         async for _ in self._run(choices, queue, request):
             pass
         if any(not c.finished for c in choices):
-            raise asyncio.CancelledError  # the client went away: nobody to answer
+            raise ClientDisconnected  # nobody to answer; the rows were freed by _run
         created, model, usage = now(), self.settings.model_name, self._usage(choices)
         if chat:
             return _json(ChatCompletionResponse(
@@ -489,6 +510,10 @@ class Serving:
                                       logprobs=completion_logprobs(c, c.take_logprobs(), *_echoed(c)),
                                       decoding=self._summary(c)) for c in choices],
         ))
+
+    def _client_gone(self) -> None:
+        self.metrics.labels(self.metrics.client_disconnects).inc()
+        log.info("client disconnected: its request was aborted and its rows freed")
 
     async def _stream(self, choices: list[ChoiceOutput], queue: asyncio.Queue, request: Request, chat: bool,
                       response_id: str, include_usage: bool, continuous_usage: bool) -> AsyncIterator[bytes]:
@@ -534,7 +559,8 @@ class Serving:
                 if choice.finished:  # the finish reason and the summary come in a chunk of their own
                     yield chunk(choice, None if chat else "", last=True)
             if any(not c.finished for c in choices):
-                return  # the client went away
+                self._client_gone()
+                return
             if include_usage:
                 usage = self._usage(choices)
                 kind: Any = ChatCompletionChunk if chat else CompletionResponse
@@ -545,3 +571,7 @@ class Serving:
             self.metrics.labels(self.metrics.request_errors, status=str(err.status)).inc()
             yield f"data: {json.dumps(error_body(err.status, err.message, err.param, err.code))}\n\n".encode()
             yield b"data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):  # the server stopped the stream: its client left
+            if any(not c.finished for c in choices):
+                self._client_gone()
+            raise

@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 
 ENV_PREFIX = "CAI_DLLM_"
 BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "models" / "llada-tiny"
+_MAX_PORT = 65535
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 
 
@@ -53,6 +54,8 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.engine, EngineConfig):
             raise ValueError(f"engine must be an EngineConfig, got {self.engine!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= _MAX_PORT:
+            raise ValueError(f"port must be an integer from 0 to {_MAX_PORT}, got {self.port!r}")
         for name in ("port", "max_queue", "max_n", "max_body_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "port" else 1):

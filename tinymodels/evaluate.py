@@ -11,14 +11,14 @@ from __future__ import annotations
 import math
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from engine.chat import chat_prompt_ids
-from engine.decoding import DecodeParams, GenerationResult, generate
+from engine.decoding import DecodeParams, GenerationResult
 from engine.decoding.params import resolve_defaults
 from engine.engine import Engine
 from tinymodels.tasks import Problem, answer_of, sample
@@ -115,7 +115,9 @@ def _content_nfe(result: GenerationResult, end_ids: Sequence[int], block_length:
 
 
 def evaluate(engine: Engine, problems: Sequence[Problem], configs: Sequence[EvalConfig], batch_size: int = 8,
-             progress: Optional[Any] = None) -> list[ConfigReport]:
+             progress: Optional[Any] = None, on_problem: Optional[Callable[[], None]] = None) -> list[ConfigReport]:
+    """Every configuration on every problem; `progress(report)` after each configuration,
+    `on_problem()` after each problem decoded (a progress bar)."""
     if engine.tokenizer is None:
         raise ValueError("evaluation needs the checkpoint's tokenizer")
     prompts = [chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": p.prompt}]) for p in problems]
@@ -125,9 +127,10 @@ def evaluate(engine: Engine, problems: Sequence[Problem], configs: Sequence[Eval
         params = resolve_defaults(DecodeParams.from_dict(config.params), engine.architecture)
         report = ConfigReport(config.name, config.params)
         # one warm-up request so first-call allocations are not timed
-        generate(engine.model, prompts[:1], params, max_batch=batch_size)
+        runner = Engine.from_model(engine.model, engine.tokenizer, batch_size)
+        runner.generate(prompts[:1], params)
         start = time.perf_counter()
-        results = generate(engine.model, prompts, params, max_batch=batch_size, tokenizer=engine.tokenizer)
+        results = runner.generate(prompts, params, on_finish=(lambda _: on_problem()) if on_problem else None)
         report.seconds = time.perf_counter() - start
         for problem, result in zip(problems, results, strict=True):
             answer = answer_of(problem.kind, result.text or "")

@@ -18,7 +18,8 @@ from typing import Any, Union
 
 import torch
 
-OPTIMIZERS = ("adamw", "muon")
+from tinymodels.train_config import OPTIMIZERS
+
 _BETAS = (0.9, 0.95)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
@@ -36,56 +36,14 @@ from engine.models.transformer import DiffusionTransformer
 from engine.special_tokens import SpecialTokens
 from tinymodels import char_tokenizer as chars
 from tinymodels.formats import dream_config, generation_config, llada_config, save_checkpoint
-from tinymodels.optim import OPTIMIZERS, Optimizer, build_optimizer
-from tinymodels.tasks import DEFAULT_MIX, Problem, problems
+from tinymodels.optim import Optimizer, build_optimizer
+from tinymodels.tasks import Problem, problems
+from tinymodels.train_config import TrainConfig
+
+__all__ = ["TrainConfig", "train"]
 
 _MIN_MASK_RATIO = 1e-3  # LLaDA's eps: t is never 0, so 1/t stays finite
 _STATE_FILE = "train_state.pt"
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    arch: str = "llada"  # "llada" or "dream"
-    # The built-in models' recipe (docs/models.md). Depth mattered more than width: at a similar CPU
-    # cost a step, 6 layers of 128 got 67 % of held-out additions right by step 3,880 where 4 layers
-    # of 160 got none by step 4,000 (bench/results/train_sweep_gpu.txt).
-    d_model: int = 128
-    layers: int = 6
-    heads: int = 4
-    kv_heads: Optional[int] = None  # Dream: grouped KV heads (default heads // 2)
-    mlp_hidden: int = 384
-    # The released models' RoPE bases (5e5, 1e6) are for head dims of 128 and long contexts; with a
-    # head dim of ~40 they leave only two or three rotating frequencies over a 160-token sequence,
-    # too few to tell positions apart: the model then learns which tokens a prompt holds but not
-    # where. 1e4 spreads the frequencies over the lengths these tasks use.
-    rope_theta: float = 10000.0
-    gen_length: int = 128
-    batch_size: int = 32
-    steps: int = 8000
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup: int = 150
-    weight_decay: float = 0.1
-    seed: int = 0
-    checkpoint_every: int = 250
-    micro_batches: int = 2
-    full_canvas_share: float = 0.25
-    max_extra_fill: int = 32
-    # Share of examples masked only after a random cut in the canvas (a response prefix stays
-    # visible): the pattern a one-token-per-step decoder meets when it fills a chain left to right.
-    prefix_mask_share: float = 0.0
-    optimizer: str = "adamw"  # or "muon" (tinymodels/optim.py)
-    mix: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_MIX))
-
-    def __post_init__(self) -> None:
-        if self.arch not in ("llada", "dream"):
-            raise ValueError(f"arch must be llada or dream, got {self.arch!r}")
-        if not 1 <= self.micro_batches <= self.batch_size:
-            raise ValueError(f"micro_batches must be in 1..batch_size, got {self.micro_batches}")
-        if not 0.0 <= self.prefix_mask_share <= 1.0:
-            raise ValueError(f"prefix_mask_share must be in [0, 1], got {self.prefix_mask_share}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
 
 
 def hf_config_for(config: TrainConfig) -> dict[str, Any]:

@@ -87,7 +87,8 @@ class DecodeParams:
                 raise DecodeParamError("block_length", f"must divide gen_length ({self.gen_length}), "
                                        f"got {self.block_length}")
         if self.steps is not None:
-            _check_int("steps", self.steps, low=1)
+            # a step commits at least one token: more steps than tokens would never run
+            _check_int("steps", self.steps, low=1, high=self.gen_length)
             if self.steps % self.num_blocks:
                 raise DecodeParamError("steps", f"must be a multiple of the number of blocks "
                                        f"({self.num_blocks}), got {self.steps}")
@@ -176,12 +177,15 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {"policy": POLICIES, "cache": CACHE_
                                              "eta_denominator": ETA_DENOMINATORS, "grinding_exit": GRINDING_EXITS}
 
 
-def json_schema() -> dict[str, Any]:
-    """A JSON schema of the `decoding` object: every knob with its type (and its words, where it takes
-    words). Ranges and the rules between knobs are DecodeParams' checks (docs/decoding.md)."""
+def json_schema(leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A JSON schema of the `decoding` object: every knob but `leave_out` with its type (and its
+    words, where it takes words). Ranges and the rules between knobs are DecodeParams' checks
+    (docs/decoding.md)."""
     names = {int: "integer", float: "number", str: "string", bool: "boolean"}
     properties: dict[str, Any] = {}
     for name, (kind, optional) in field_types().items():
+        if name in leave_out:
+            continue
         schema: dict[str, Any] = {"type": names[kind]}
         if name in FIELD_CHOICES:
             schema["enum"] = list(FIELD_CHOICES[name])

@@ -50,8 +50,9 @@ class RequestStats:
 
     @property
     def steps_saved(self) -> int:
-        """Blocks skipped by early exit count as saved."""
-        return self.fixed_step_budget - self.steps
+        """Steps below the fixed budget (blocks skipped by early exit count as saved); 0 when the row
+        took more steps than the budget (a threshold policy may), never negative: `steps` says how many."""
+        return max(0, self.fixed_step_budget - self.steps)
 
     def as_dict(self) -> dict:
         return {"nfe": self.nfe, "steps_per_block": self.steps_per_block, "steps_saved": self.steps_saved,
