@@ -115,3 +115,30 @@ def test_score_ranks_continuations_with_the_engines_numbers():
     assert rows[0]["token_logprobs"] == pytest.approx(engine.score(ids, 4, seed=3)[len(context):], abs=1e-9)
     bad = _run("score", "--model", str(model), "--context", "x", "--continuation", "y", "--samples", "0")
     assert bad.returncode == 2 and "score_samples" in bad.stderr
+
+
+def test_help_does_not_wait_for_torch_and_every_option_says_what_it_does():
+    # --help used to take 3-7 s: torch was imported before the arguments were parsed
+    probe = subprocess.run([sys.executable, "-c", "import sys, server.cli as c; c.build_parser(); "
+                            "print('torch' in sys.modules)"], capture_output=True, text=True, timeout=120,
+                           cwd=Path(__file__).resolve().parents[1])
+    assert probe.returncode == 0 and probe.stdout.strip() == "False", probe.stderr
+
+    import argparse
+
+    from server.cli import _DefaultsFormatter, build_parser
+
+    def options(parser: argparse.ArgumentParser, path: str):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from options(sub, f"{path} {name}")
+            elif not isinstance(action, argparse._HelpAction):
+                yield path, action
+
+    formatter = _DefaultsFormatter("cai-dllm")
+    for path, action in options(build_parser(), "cai-dllm"):
+        assert action.help, f"{path} {action.option_strings or action.dest} has no help"
+        shown = formatter._get_help_string(action)
+        if action.option_strings and not action.required and action.default is not None:
+            assert "default" in shown, f"{path} {action.option_strings} does not show its default"
