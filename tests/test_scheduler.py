@@ -119,11 +119,16 @@ def test_waiting_queue_is_bounded(engine):
     async def run():
         subs = _submissions(8, _params())
         accepted = 0
+        loop.submit(subs[0])
+        accepted = 1
+        deadline = time.monotonic() + 30  # the engine admits it into a row and its step blocks
+        while engine.num_running == 0:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.005)
         with pytest.raises(QueueFull):
-            for sub in subs:
+            for sub in subs[1:]:
                 loop.submit(sub)
                 accepted += 1
-                await asyncio.sleep(0.05)  # let the engine admit into free rows
         return accepted
 
     loop.start()
@@ -146,7 +151,10 @@ def test_stall_is_visible_while_work_is_pending(engine):
     async def run():
         [sub] = _submissions(1, _params())
         loop.submit(sub)
-        await asyncio.sleep(0.4)
+        deadline = time.monotonic() + 30  # bounded polling: the blocked step shows as time without progress
+        while time.monotonic() - loop.last_progress <= 0.3:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
         return loop.num_pending, time.monotonic() - loop.last_progress
 
     loop.start()

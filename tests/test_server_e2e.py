@@ -274,9 +274,14 @@ def test_sigterm_drains_in_flight_requests():
                 body = {"prompt": "<|user|>1+1<|assistant|>", "max_tokens": 256,
                         "decoding": {"policy": "fixed", "early_exit": False}}
                 in_flight = asyncio.create_task(c.post(f"{base}/v1/completions", json=body))
-                await asyncio.sleep(0.5)
+                deadline = time.monotonic() + 60  # bounded polling, not a sleep: the request is decoding
+                while metric((await c.get(f"{base}/metrics")).text, "caidllm:num_requests_running") == 0:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
                 proc.send_signal(signal.SIGTERM)
-                await asyncio.sleep(0.3)
+                while (await c.get(f"{base}/ready")).status_code == 200:  # until it drains
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
                 try:
                     late = (await c.post(f"{base}/v1/completions", json={"prompt": "hi"})).status_code
                 except httpx.HTTPError:
