@@ -115,6 +115,22 @@ class AppState:
                               max_n=self.settings.max_n, max_logprobs=engine.config.max_logprobs,
                               vocab_size=engine.model.config.vocab_size)
 
+    def failure(self) -> Optional[tuple[str, str]]:
+        """(code, message) of a failure this server will not recover from by itself: the model did
+        not load, the engine thread died, or it made no progress for --stall-timeout with work
+        pending. /health and Ray Serve's replica health check report it."""
+        if self.load_error:
+            return "load_failed", f"model failed to load: {self.load_error}"
+        loop = self.loop
+        if loop is None:
+            return None
+        if not loop.alive:
+            return "engine_dead", "the engine loop has stopped"
+        stalled = time.monotonic() - loop.last_progress
+        if loop.num_pending and stalled > self.settings.stall_timeout:
+            return "engine_stalled", f"the engine has made no progress for {stalled:.0f} s with work pending"
+        return None
+
     def require_serving(self) -> Serving:
         if self.draining:
             raise APIError(503, "The server is shutting down", code="shutting_down")
@@ -269,18 +285,11 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
 
     @app.get("/health")
     async def health() -> Response:
-        if state.load_error:
-            return error_response(503, f"model failed to load: {state.load_error}", code="load_failed")
+        failure = state.failure()
+        if failure is not None:
+            return error_response(503, failure[1], code=failure[0])
         if not state.ready.is_set():  # healthy means serving: a loading server is not yet
             return error_response(503, "loading the model", code="not_ready")
-        loop = state.loop
-        if loop is not None:
-            if not loop.alive:
-                return error_response(503, "the engine loop has stopped", code="engine_dead")
-            stalled = time.monotonic() - loop.last_progress
-            if loop.num_pending and stalled > settings.stall_timeout:
-                return error_response(503, f"the engine has made no progress for {stalled:.0f} s with work pending",
-                                      code="engine_stalled")
         return JSONResponse({"status": "ok"})
 
     @app.get("/ready")

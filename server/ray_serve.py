@@ -4,10 +4,16 @@ HTTP proxy, autoscaled on ongoing requests.
     serve run deploy/ray/serve-cpu.yaml        # one machine, CPU replicas
     serve deploy deploy/ray/serve-gpu.yaml     # a Ray cluster (or KubeRay's RayService)
 
-Each replica builds its app (and loads its model) from `CAI_DLLM_*` variables, set per application
-in the Serve config's `runtime_env`; the replica count, `num_gpus` and autoscaling are deployment
-options there too, so nothing in this module changes between a laptop and a cluster. Ray is an
-optional dependency: only Ray imports this module.
+Each replica builds its app from `CAI_DLLM_*` variables, set per application in the Serve config's
+`runtime_env`; the replica count, `num_gpus` and autoscaling are deployment options there too, so
+nothing in this module changes between a laptop and a cluster. Ray is an optional dependency: only
+Ray imports this module.
+
+A replica loads its model (and runs a warm-up request) in its constructor: Serve routes traffic to a
+replica only once the constructor has returned, so no request meets a replica that is still loading,
+and a model that cannot load fails the deployment with the reason. `check_health` then reports what
+`/health` reports (the engine thread died, or stalled with work pending), and Serve replaces the
+replica.
 """
 
 from __future__ import annotations
@@ -15,17 +21,13 @@ from __future__ import annotations
 from fastapi import FastAPI
 from ray import serve
 
+from engine import Engine
 from server.app import create_app
-from server.settings import load_settings
+from server.settings import ServerSettings, load_settings
 
 # Rows decode together inside a replica; Ray should route at most this many requests to one
 # replica before it queues them in the proxy or scales out (the replica's own queue bounds the rest).
 DEFAULT_MAX_ONGOING = 64
-
-
-def build_app() -> FastAPI:
-    """Runs on each replica: settings from the replica's environment, model loaded in the app's lifespan."""
-    return create_app(load_settings({}))
 
 
 @serve.deployment(
@@ -35,9 +37,27 @@ def build_app() -> FastAPI:
     health_check_period_s=10,
     graceful_shutdown_timeout_s=30,
 )
-@serve.ingress(build_app)
+@serve.ingress()
 class CaiDllmReplica:
     """One engine (one model copy, one GPU when `num_gpus: 1`) serving the OpenAI routes."""
+
+    def __init__(self) -> None:
+        settings = load_settings({})
+        engine = Engine(settings.engine)  # here, not in the app's lifespan: Serve waits for it
+
+        def loaded(_: ServerSettings) -> Engine:
+            return engine
+
+        self._app = create_app(settings, engine_factory=loaded)  # (Serve owns the name `app`)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return self._app
+
+    def check_health(self) -> None:
+        """Serve calls this every `health_check_period_s`; raising marks the replica unhealthy."""
+        failure = self._app.state.cai.failure()
+        if failure is not None:
+            raise RuntimeError(f"{failure[0]}: {failure[1]}")
 
 
 app = CaiDllmReplica.bind()

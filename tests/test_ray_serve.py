@@ -1,6 +1,6 @@
 """Scale-out on Ray Serve with the committed CPU config: two replicas of the tiny model behind one
-endpoint answer concurrent requests, and killing one replica's process loses no request that the
-client retries."""
+endpoint answer concurrent requests, no replica takes a request before its model has loaded, and
+killing one replica's process loses no request that the client retries."""
 
 from __future__ import annotations
 
@@ -63,14 +63,19 @@ def test_two_cpu_replicas_behind_one_endpoint_survive_a_killed_replica(tmp_path)
         assert deploy.returncode == 0, deploy.stderr
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 300
-        ready = 0
+        ready, loading_answers = 0, []
         while ready < 10:  # both replicas loaded: several /ready in a row through the proxy
             try:
-                ready = ready + 1 if httpx.get(f"{base}/ready", timeout=5).status_code == 200 else 0
+                reply = httpx.get(f"{base}/ready", timeout=5)
+                ready = ready + 1 if reply.status_code == 200 else 0
+                if reply.status_code == 503 and "not_ready" in reply.text:
+                    loading_answers.append(reply.text)  # a replica still loading took the request
             except httpx.HTTPError:
                 ready = 0
             assert time.monotonic() < deadline, "the Serve application never became ready"
-            time.sleep(0.2)
+            time.sleep(0.05)
+        # a replica loads in its constructor, so Serve routes nothing to it before it serves
+        assert not loading_answers, loading_answers[:3]
         ray.init(address="auto", logging_level="ERROR")
         pids = _replica_pids()
         assert len(pids) == 2, pids
