@@ -9,8 +9,9 @@ settings, the decoding parameters) does not import torch: `cai-dllm --help` answ
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from engine.lazy import lazy_getattr
 
 _EXPORTS = {
     "EngineConfig": "engine.config",
@@ -49,9 +50,4 @@ if TYPE_CHECKING:
     from engine.special_tokens import SpecialTokens
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'engine' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

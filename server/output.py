@@ -96,6 +96,22 @@ class LoggedToken:
     logprob: Optional[TokenLogprob]  # None: an echoed prompt's first token (nothing to condition it on)
 
 
+def token_text(tokenizer: Optional[Any], token: int) -> str:
+    """A token's text decoded on its own (a token-id-only model's token is its id)."""
+    return str(token) if tokenizer is None else tokenizer.decode([token])
+
+
+def logged_tokens(tokenizer: Optional[Any], ids: Sequence[int], logprobs: Sequence[Optional[TokenLogprob]],
+                  offset: int = 0) -> list[LoggedToken]:
+    """Each token with its logprobs and where its text starts, counting from `offset`."""
+    out = []
+    for token, logprob in zip(ids, logprobs, strict=False):
+        text = token_text(tokenizer, token)
+        out.append(LoggedToken(text, offset, logprob))
+        offset += len(text)
+    return out
+
+
 @dataclass(frozen=True)
 class Echo:
     """An echoed prompt: its text and, with logprobs, its tokens' likelihood estimates."""
@@ -181,15 +197,10 @@ class ChoiceOutput:
     def _log(self, ids: Sequence[int], logprobs: Sequence[TokenLogprob]) -> None:
         assert self.logged is not None
         offset = self.logged[-1].offset + len(self.logged[-1].text) if self.logged else 0
-        for token, logprob in zip(ids, logprobs, strict=False):
-            text = self.token_text(token)
-            self.logged.append(LoggedToken(text, offset, logprob))
-            offset += len(text)
+        self.logged.extend(logged_tokens(self.tokenizer, ids, logprobs, offset))
 
     def token_text(self, token: int) -> str:
-        if self.tokenizer is None:
-            return str(token)
-        return self.tokenizer.decode([token])
+        return token_text(self.tokenizer, token)
 
     def finish(self, result: Optional[GenerationResult], joules: Optional[float] = None) -> None:
         """The engine finished the row (result), or a stop string or max_tokens ended it early (None)."""

@@ -33,7 +33,7 @@ from engine.decoding.types import TokenLogprob
 from engine.loading.tokenizer import encode_text
 from server.errors import APIError, ClientDisconnected, error_body
 from server.metrics import Metrics
-from server.output import ChoiceOutput, Echo, LoggedToken
+from server.output import ChoiceOutput, Echo, LoggedToken, logged_tokens
 from server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -225,6 +225,10 @@ class Serving:
             return room
         return room // DEFAULT_BLOCK * DEFAULT_BLOCK
 
+    def _queue_full(self) -> APIError:
+        return APIError(429, "The server is at capacity: the waiting queue is full; retry later",
+                        code="queue_full", headers={"Retry-After": str(self.loop.retry_after())})
+
     def _context_param(self, body: Union[CompletionRequest, ChatCompletionRequest], prompt_len: int,
                        max_tokens: Optional[int]) -> str:
         """The field a context overflow is about: the prompt when it fills the context alone, the
@@ -315,8 +319,7 @@ class Serving:
             for request_id in submitted:
                 self.loop.abort(request_id)
             if isinstance(err, QueueFull):
-                raise APIError(429, "The server is at capacity: the waiting queue is full; retry later",
-                               code="queue_full", headers={"Retry-After": str(self.loop.retry_after())}) from None
+                raise self._queue_full() from None
             if err.code == CONTEXT_LENGTH_EXCEEDED:
                 param = self._context_param(body, max(map(len, prompts)), max_tokens)
             else:
@@ -459,14 +462,9 @@ class Serving:
             except ShuttingDown as err:
                 raise APIError(503, str(err), code="shutting_down") from None
             except QueueFull:
-                raise APIError(429, "The server is at capacity: the waiting queue is full; retry later",
-                               code="queue_full", headers={"Retry-After": str(self.loop.retry_after())}) from None
-            logged, offset = [], 0
-            for token, value in zip(ids, scores, strict=True):
-                piece = tokenizer.decode([token]) if tokenizer is not None else str(token)
-                logged.append(LoggedToken(piece, offset, None if value is None else TokenLogprob(token, value)))
-                offset += len(piece)
-            echoes.append(Echo(text, logged))
+                raise self._queue_full() from None
+            values = [None if v is None else TokenLogprob(t, v) for t, v in zip(ids, scores, strict=True)]
+            echoes.append(Echo(text, logged_tokens(tokenizer, ids, values)))
         return echoes
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:

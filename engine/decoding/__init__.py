@@ -5,8 +5,9 @@ Names are imported on first use, as in `engine/__init__.py` (the parameters need
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from engine.lazy import lazy_getattr
 
 _EXPORTS = {
     "generate": "engine.decoding.generate",
@@ -26,9 +27,4 @@ if TYPE_CHECKING:
     from engine.decoding.types import GenerationRequest, GenerationResult, RequestStats
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'engine.decoding' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
