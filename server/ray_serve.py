@@ -14,6 +14,11 @@ replica only once the constructor has returned, so no request meets a replica th
 and a model that cannot load fails the deployment with the reason. `check_health` then reports what
 `/health` reports (the engine thread died, or stalled with work pending), and Serve replaces the
 replica.
+
+Metrics: `/metrics` through the proxy reaches one replica at a time, so each replica also serves its
+own registry on its own port (`server/ray_metrics.py`) and `GET /metrics/targets` lists every live
+replica's address for Prometheus's HTTP service discovery (`deploy/ray/prometheus.yml`); the
+dashboard's queries sum over them.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from ray import serve
 
 from engine import Engine
 from server.app import create_app
+from server.ray_metrics import ReplicaMetricsExporter
 from server.settings import ServerSettings, load_settings
 
 # Rows decode together inside a replica; Ray should route at most this many requests to one
@@ -49,6 +55,16 @@ class CaiDllmReplica:
             return engine
 
         self._app = create_app(settings, engine_factory=loaded)  # (Serve owns the name `app`)
+        context = serve.get_replica_context()
+        self._metrics = ReplicaMetricsExporter(
+            self._app.state.cai.metrics.render, context.replica_tag,
+            {"app": context.app_name, "deployment": context.deployment})
+        exporter = self._metrics
+
+        @self._app.get("/metrics/targets", tags=["metrics"])
+        async def metrics_targets() -> list[dict[str, object]]:
+            """Every replica's own metrics address, in Prometheus's `http_sd_configs` format."""
+            return await exporter.discovered()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self._app
@@ -58,6 +74,12 @@ class CaiDllmReplica:
         failure = self._app.state.cai.failure()
         if failure is not None:
             raise RuntimeError(f"{failure[0]}: {failure[1]}")
+
+    def __del__(self) -> None:
+        """Serve calls this on a graceful stop: the replica's target leaves discovery at once."""
+        metrics = getattr(self, "_metrics", None)
+        if metrics is not None:
+            metrics.close()
 
 
 app = CaiDllmReplica.bind()

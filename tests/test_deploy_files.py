@@ -159,3 +159,10 @@ def test_the_images_command_serves_and_passes_its_healthcheck():
     finally:
         proc.kill()
         proc.wait(10)
+
+
+@pytest.mark.parametrize("config", [COMPOSE / "prometheus.yml", REPO / "deploy" / "ray" / "prometheus.yml"])
+def test_prometheus_configs_pass_promtool(config):
+    promtool = require_tool("promtool")
+    run = subprocess.run([promtool, "check", "config", str(config)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr

@@ -1,6 +1,7 @@
 """Scale-out on Ray Serve with the committed CPU config: two replicas of the tiny model behind one
-endpoint answer concurrent requests, no replica takes a request before its model has loaded, and
-killing one replica's process loses no request that the client retries."""
+endpoint answer concurrent requests, no replica takes a request before its model has loaded, a real
+Prometheus on the committed Ray config scrapes every replica and the dashboard's queries add them up,
+and killing one replica's process loses no request that the client retries."""
 
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ import httpx
 import pytest
 import yaml
 from ops_tools import require_module
+from prometheus_proc import instant, running_prometheus, wait_for_targets_up, wait_until_every_query_has_data
 from serverproc import REPO, free_port
+from test_deploy_files import dashboard_queries
 
 pytestmark = pytest.mark.slow
 PROMPT = "<|user|>0012+0034<|assistant|>"
+SCRAPE_SECONDS = 1
 
 
 async def _post_with_retries(client: httpx.AsyncClient, body: dict, attempts: int = 8) -> tuple[httpx.Response, int]:
@@ -79,6 +83,7 @@ def test_two_cpu_replicas_behind_one_endpoint_survive_a_killed_replica(tmp_path)
         ray.init(address="auto", logging_level="ERROR")
         pids = _replica_pids()
         assert len(pids) == 2, pids
+        replicas_before = _check_metrics_of_every_replica(base, tmp_path)
 
         async def scenario() -> list[tuple[httpx.Response, int]]:
             body = {"prompt": PROMPT, "max_tokens": 64, "decoding": {"policy": "fixed", "early_exit": False}}
@@ -97,8 +102,57 @@ def test_two_cpu_replicas_behind_one_endpoint_survive_a_killed_replica(tmp_path)
         while len(_replica_pids()) < 2:  # Serve replaces the dead replica
             assert time.monotonic() < deadline, "the killed replica was not replaced"
             time.sleep(1)
+        # discovery follows: the dead replica's target expires, the replacement's appears
+        deadline = time.monotonic() + 120
+        while True:
+            replicas = _discovered_replicas(base)
+            if len(replicas) == 2 and len(replicas & replicas_before) == 1:
+                break
+            assert time.monotonic() < deadline, (replicas, replicas_before)
+            time.sleep(1)
     finally:
         if ray.is_initialized():
             ray.shutdown()
         subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True,
                        timeout=120)
+
+
+def _discovered_replicas(base: str) -> set[str]:
+    groups = httpx.get(f"{base}/metrics/targets", timeout=10).json()
+    return {group["labels"]["replica"] for group in groups}
+
+
+def _check_metrics_of_every_replica(base: str, workdir: Path) -> set[str]:
+    """Prometheus on deploy/ray/prometheus.yml finds both replicas through /metrics/targets; after N
+    requests the dashboard's sums count N, whichever replica answered each."""
+    groups = httpx.get(f"{base}/metrics/targets", timeout=10).json()
+    assert len(groups) == 2 and len({g["targets"][0] for g in groups}) == 2, groups
+    config = yaml.safe_load((REPO / "deploy" / "ray" / "prometheus.yml").read_text())
+    config["global"]["scrape_interval"] = f"{SCRAPE_SECONDS}s"
+    discovery = config["scrape_configs"][0]["http_sd_configs"][0]
+    discovery["url"] = f"{base}/metrics/targets"
+    discovery["refresh_interval"] = "1s"
+    workdir = workdir / "prometheus"
+    workdir.mkdir()
+    with running_prometheus(yaml.safe_dump(config), workdir) as (api, proc):
+        wait_for_targets_up(api, proc, 2)
+        sent = 12
+        with httpx.Client(base_url=base, timeout=120) as client:
+            for i in range(sent):
+                reply = client.post("/v1/completions", json={"prompt": f"<|user|>00{i:02d}+0001<|assistant|>",
+                                                             "max_tokens": 32, "decoding": {"policy": "cai"}})
+                assert reply.status_code == 200, reply.text
+                bad = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": -1})  # the errors panel
+                assert bad.status_code == 400, bad.text
+        total = 'sum(caidllm:request_success_total{model_name=~".*"})'
+        per_replica = 'sum by (replica) (caidllm:request_success_total{model_name=~".*"})'
+        deadline = time.monotonic() + 60
+        while not (result := instant(api, total)) or float(result[0]["value"][1]) < sent:
+            assert time.monotonic() < deadline, f"the replicas' counts never added up to {sent}: {result}"
+            time.sleep(SCRAPE_SECONDS)
+        assert float(result[0]["value"][1]) == sent
+        assert len(instant(api, per_replica)) == 2  # both replicas scraped, whoever served the requests
+        meter = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["energy_meter"]
+        wait_until_every_query_has_data(api, [q for q in dashboard_queries() if meter != "none" or "energy" not in q],
+                                        SCRAPE_SECONDS)
+    return {group["labels"]["replica"] for group in groups}
