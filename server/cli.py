@@ -190,6 +190,16 @@ def _train(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.snapshot:
+        from tinymodels.train import snapshot
+
+        try:
+            log = snapshot(Path(args.out), Path(args.snapshot))
+        except FileNotFoundError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(f"snapshot of step {log['step']} written to {args.snapshot}")
+        return 0
     # flags left out keep TrainConfig's defaults, the built-in recipe (one place for them)
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)
                             if getattr(args, f.name, None) is not None})
@@ -222,16 +232,19 @@ def _eval(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     problems = held_out_problems(args.n, args.seed)
-    print(f"# {args.n} held-out problems (seed {args.seed}) on {hardware()}, model {args.model}", flush=True)
+    print(f"# {args.n} held-out problems (seed {args.seed}, {args.prompt_form} prompts) on {hardware()}, "
+          f"model {args.model}", flush=True)
     # one bar over configurations x problems, with its rate and ETA; each configuration's line above it
     with tqdm(total=len(configs) * len(problems), unit="problem", file=sys.stderr, dynamic_ncols=True) as bar:
         reports = evaluate(engine, problems, configs, batch_size=args.batch_size, on_problem=lambda: bar.update(),
+                           prompt_form=args.prompt_form,
                            progress=lambda r: bar.write(f"  {r.name}: {100 * r.correct / max(1, r.n):.1f}% in "
                                                         f"{r.seconds:.1f}s", file=sys.stderr))
     print(format_table(reports))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "n": args.n, "seed": args.seed, "hardware": hardware(),
+            json.dump({"model": args.model, "n": args.n, "seed": args.seed, "prompt_form": args.prompt_form,
+                       "hardware": hardware(),
                        "batch_size": args.batch_size, "configs": [r.as_dict() for r in reports]}, f, indent=1)
     return 0
 
@@ -390,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--model", required=True, help="a built-in model directory (models/llada-tiny, ...)")
     ev.add_argument("--n", type=int, default=200, help="held-out problems")
     ev.add_argument("--seed", type=int, default=0, help="which held-out problems are drawn")
+    ev.add_argument("--prompt-form", default="chat", choices=("chat", "plain"),
+                    help="chat: the chat template (as /v1/chat/completions); plain: the bare problem text "
+                         "(as /v1/completions)")
     _add_engine_flags(ev, ("max_batch",), max_batch="batch_size")
     ev.add_argument("--configs", help="';'-separated configuration names, or JSON objects of decoding knobs")
     ev.add_argument("--gen-length", type=int, default=128, help="generation canvas of every configuration")
@@ -476,6 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
         "full_canvas_share": (float, "share of groups given the full canvas"),
         "max_extra_fill": (int, "most end tokens after the longest response"),
         "prefix_mask_share": (float, "share of examples masked only after a random cut in the canvas"),
+        "plain_prompt_share": (float, "share of examples prompted with the bare problem text, not the chat template"),
     }
     choices = {"arch": ("llada", "dream"), "optimizer": OPTIMIZERS}
     tr.add_argument("--out", required=True, help="the checkpoint directory to write")
@@ -486,6 +503,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     tr.add_argument("--max-minutes", type=float, help="stop (and save) after this long (default: no limit)")
     tr.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
+    tr.add_argument("--snapshot", metavar="DEST",
+                    help="only write the model of OUT's last saved training state to DEST (a mid-run look)")
     tr.set_defaults(func=_train)
     return parser
 

@@ -7,88 +7,101 @@ import random
 import pytest
 
 from tinymodels import char_tokenizer as chars
+from tinymodels.checker import expected_answer, graded_part, is_correct
 from tinymodels.tasks import (
-    COLLATZ_STARTS,
     KINDS,
     MAX_RESPONSE_CHARS,
+    SPLITS,
+    add_problem,
     answer_of,
     is_held_out,
     make_problem,
     problems,
+    running_problem,
     sample,
+    split_of,
+    sub_problem,
 )
 
 
-def _check(problem) -> None:
-    """Verify a problem's answer independently of the generator."""
-    if problem.kind == "add":
-        a, b = map(int, problem.prompt.split("+"))
-        assert problem.answer == f"{a + b:05d}" and problem.prompt == f"{a:04d}+{b:04d}"
-        # the worked chain: one fixed-width column per digit, from the right, carries consistent
-        columns = problem.response.split(";")[:-1]
-        assert len(columns) == 4
-        carry = 0
-        for i, column in enumerate(columns):
-            lhs, total = column.split("=")
-            terms = list(map(int, lhs.split("+")))
-            assert terms == [(a // 10 ** i) % 10, (b // 10 ** i) % 10, carry]
-            assert len(total) == 2 and sum(terms) == int(total)
+def _check_chain(problem) -> None:
+    """The worked chain of a sum or difference: one fixed-width column per digit, from the right,
+    carries/borrows consistent, checked with Python's arithmetic rather than the generator's."""
+    sign = "+" if problem.kind == "add" else "-"
+    a, b = map(int, problem.prompt.split(sign))
+    columns = problem.response.split(";")[:-1]
+    assert len(columns) == 5
+    carry = 0
+    for i, column in enumerate(columns):
+        lhs, total = column.split("=")
+        terms = list(map(int, lhs.split(sign)))
+        assert terms == [(a // 10 ** i) % 10, (b // 10 ** i) % 10, carry]
+        assert len(total) == 2
+        if sign == "+":
+            assert sum(terms) == int(total)
             carry = int(total) // 10
-    elif problem.kind == "affine":
-        x, rule, _, m, k = problem.prompt.split(" ")
-        x = int(x.removeprefix("x="))
-        a, b = rule.removeprefix("x->").split("x+")
-        values = []
-        for i in range(int(k.removeprefix("k="))):
-            x = (int(a) * x + int(b)) % int(m)
-            values.append(f"x{i + 1}={x}")
-        assert problem.answer == ",".join(values)
-    elif problem.kind == "collatz":
-        start = problem.prompt.split()[1]
-        n, values = int(start), []
-        assert len(start) == 3
-        while n != 1:
-            n = 3 * n + 1 if n % 2 else n // 2
-            values.append(f"{n:03d}")
-        assert problem.answer == ",".join(values)
-    elif problem.kind == "running":
-        terms = problem.prompt.split()[1:]
-        total, expected = 0, []
-        for term in terms:
-            total += int(term[1:])
-            expected.append(f"{term[0]}{total:02d}")
-        assert problem.answer == ",".join(expected)
-    else:
-        raise AssertionError(problem.kind)
+        else:
+            borrow, digit = int(total[0]), int(total[1])
+            assert terms[0] - terms[1] - terms[2] + 10 * borrow == digit
+            carry = borrow
 
 
-@pytest.mark.parametrize("split", ["train", "eval"])
-def test_generated_answers_are_correct(split):
+@pytest.mark.parametrize("split", SPLITS)
+def test_generated_answers_agree_with_the_independent_checker(split):
     for problem in sample(600, seed=3, split=split):
-        _check(problem)
+        assert is_correct(problem.prompt, problem.response), problem
+        assert problem.answer == expected_answer(problem.prompt)
         assert len(problem.response) <= MAX_RESPONSE_CHARS
+        if problem.kind in ("add", "sub"):
+            _check_chain(problem)
 
 
-def test_every_kind_appears_and_lengths_vary():
-    batch = sample(1000, seed=0, split="train")
+def test_checker_by_hand():
+    assert expected_answer("00457+00038") == "000495"
+    assert expected_answer("00457-00038") == "00419"
+    assert expected_answer("00038-00457") is None
+    assert expected_answer("sum a3 b5 c2") == "a003,b008,c010"
+    assert expected_answer("457+38") is None and expected_answer("hello") is None
+    assert is_correct("00457+00038", "7+8+0=15;=000495")
+    assert not is_correct("00457+00038", "7+8+0=15;=000496")
+    assert not is_correct("00457+00038", "")
+    assert graded_part("00457-00038", "no answer") is None
+    assert add_problem(457, 38).response == "7+8+0=15;5+3+1=09;4+0+0=04;0+0+0=00;0+0+0=00;=000495"
+    assert sub_problem(457, 38).response == "7-8-0=19;5-3-1=01;4-0-0=04;0-0-0=00;0-0-0=00;=00419"
+    assert running_problem([3, 5, 2, 7, 0, 9]).response == "a003,b008,c010,d017,e017,f026"
+    with pytest.raises(ValueError):
+        sub_problem(1, 2)
+    with pytest.raises(ValueError):
+        running_problem([1, 2])
+
+
+def test_every_kind_and_level_appears_and_lengths_span_the_canvas():
+    batch = sample(2000, seed=0, split="train")
     assert {p.kind for p in batch} == set(KINDS)
+    levels = {len(str(max(map(int, p.prompt.replace("-", "+").split("+"))))) for p in batch if p.kind != "running"}
+    assert levels == {1, 2, 3, 4, 5}  # graded difficulty: 1 to 5 significant digits
+    terms = {len(p.prompt.split()) - 1 for p in batch if p.kind == "running"}
+    assert terms == set(range(6, 17))
     lengths = [len(p.response) for p in batch]
-    assert min(lengths) < 32 and max(lengths) > 64  # from a quarter of the 128-token canvas to most of it
+    assert min(lengths) <= 32 and max(lengths) > 64  # from a quarter of the 128-token canvas to most of it
 
 
-def test_held_out_split_never_reaches_training():
-    train = sample(3000, seed=1, split="train")
-    assert not any(is_held_out(p.kind, p.key) for p in train)
-    evaluation = sample(500, seed=1, split="eval")
-    assert all(is_held_out(p.kind, p.key) for p in evaluation)
-    assert not {(p.kind, p.key) for p in train} & {(p.kind, p.key) for p in evaluation}
+def test_splits_are_disjoint_by_construction():
+    drawn = {split: sample(2000 if split == "train" else 500, seed=1, split=split) for split in SPLITS}
+    for split, batch in drawn.items():
+        assert all(split_of(p.kind, p.key) == split for p in batch)
+    keys = {split: {(p.kind, p.key) for p in batch} for split, batch in drawn.items()}
+    assert not keys["train"] & keys["eval"] and not keys["train"] & keys["validation"]
+    assert not keys["validation"] & keys["eval"]
+    assert all(is_held_out(p.kind, p.key) for p in drawn["eval"])
 
 
-def test_held_out_share_is_about_a_tenth():
+def test_held_out_and_validation_shares_are_about_a_tenth_each():
     rng = random.Random(0)
     drawn = [make_problem(rng.choice(KINDS), rng) for _ in range(4000)]
-    share = sum(is_held_out(p.kind, p.key) for p in drawn) / len(drawn)
-    assert 0.07 < share < 0.13
+    for split in ("eval", "validation"):
+        share = sum(split_of(p.kind, p.key) == split for p in drawn) / len(drawn)
+        assert 0.07 < share < 0.13
 
 
 def test_streams_are_reproducible():
@@ -99,19 +112,13 @@ def test_streams_are_reproducible():
 
 
 def test_answer_parsing():
-    assert answer_of("add", "7+8+0=15;=00015") == "00015"
-    assert answer_of("add", "7+8+0=15;=0001x") is None
-    assert answer_of("collatz", "3,10,5") == "3,10,5"
-    assert answer_of("running", "a3,b8") == "a3,b8"
-    assert answer_of("running", "a3,8") is None
-    assert answer_of("affine", "") is None
-    assert answer_of("affine", "x1=3,x2=4") == "x1=3,x2=4"
-    assert answer_of("affine", "x1=3,4") is None
-
-
-def test_collatz_starts_fit_the_canvas():
-    assert len(COLLATZ_STARTS) > 50
-    assert max(len(make_problem("collatz", random.Random(i)).response) for i in range(300)) <= MAX_RESPONSE_CHARS
+    assert answer_of("add", "7+8+0=15;=000015") == "000015"
+    assert answer_of("sub", "7-8-0=19;=0001x") is None
+    assert answer_of("running", "a003,b008") == "a003,b008"
+    assert answer_of("running", "a003,008") is None
+    assert answer_of("running", "") is None
+    with pytest.raises(ValueError):
+        answer_of("collatz", "1")
 
 
 def test_tokenizer_round_trips_every_character_of_the_task():

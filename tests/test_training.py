@@ -97,3 +97,59 @@ def test_prefix_masking_keeps_a_response_prefix_visible():
 def test_prefix_mask_share_is_validated():
     with pytest.raises(ValueError, match="prefix_mask_share"):
         TrainConfig(prefix_mask_share=1.5)
+
+
+def test_both_prompt_forms_are_encoded_as_the_server_sends_them():
+    from tinymodels import char_tokenizer as chars
+    from tinymodels.tasks import sample
+    from tinymodels.train import encode_examples
+
+    problems = sample(2, seed=0, split="train")
+    ids, attention, canvas = encode_examples(problems, 80, plain=[True, False])
+    tokenizer = chars.build_tokenizer()
+    width = ids.shape[1] - 80
+    expected_prompts = [problems[0].prompt, chars.render_user_prompt(problems[1].prompt)]
+    for row, problem, expected in zip(range(2), problems, expected_prompts, strict=True):
+        prompt = ids[row, :width][attention[row, :width].bool()].tolist()
+        assert tokenizer.decode(prompt, skip_special_tokens=False) == expected
+        assert tokenizer.decode(ids[row, width:width + len(problem.response)].tolist()) == problem.response
+    assert canvas[:, width:].all() and not canvas[:, :width].any()
+
+
+def test_plain_prompt_share_draws_both_forms(monkeypatch):
+    import tinymodels.train as training
+
+    seen: list[list[bool]] = []
+    real = training.encode_examples
+
+    def spy(batch, gen_length, plain=None):
+        seen.append(list(plain))
+        return real(batch, gen_length, plain)
+
+    monkeypatch.setattr(training, "encode_examples", spy)
+    config = TrainConfig(d_model=32, layers=1, heads=2, mlp_hidden=64, batch_size=16, steps=2, warmup=1)
+    model, _ = training.build_model(config)
+    training.train_step(model, training.make_optimizer(model, config), config, 0)
+    drawn = [flag for group in seen for flag in group]
+    assert len(drawn) == 16 and 0 < sum(drawn) < 16
+    seen.clear()
+    only_chat = TrainConfig(d_model=32, layers=1, heads=2, mlp_hidden=64, batch_size=16, steps=2, warmup=1,
+                            plain_prompt_share=0.0)
+    training.train_step(model, training.make_optimizer(model, only_chat), only_chat, 0)
+    assert not any(flag for group in seen for flag in group)
+    with pytest.raises(ValueError, match="plain_prompt_share"):
+        TrainConfig(plain_prompt_share=-0.1)
+
+
+def test_snapshot_writes_the_saved_state_as_a_checkpoint(tmp_path):
+    from tinymodels.train import snapshot
+
+    config = _small("dream", 12)
+    config = TrainConfig(**{**config.__dict__, "checkpoint_every": 5, "d_model": 32, "layers": 1, "mlp_hidden": 64})
+    train(config, tmp_path / "run", progress=False, stop_at=10)
+    log = snapshot(tmp_path / "run", tmp_path / "snap")
+    assert log["step"] == 10
+    model = load_model(tmp_path / "snap")
+    assert model.config.architecture == "dream" and (tmp_path / "snap" / "tokenizer.json").is_file()
+    with pytest.raises(FileNotFoundError):
+        snapshot(tmp_path / "nothing", tmp_path / "snap2")

@@ -1,5 +1,9 @@
 """`cai-dllm eval`: every decoding configuration on the same held-out problems, side by side.
 
+Problems reach the model in one prompt form, chat (the chat template, as `/v1/chat/completions`
+sends them) or plain (the bare problem text, as `/v1/completions` sends it), and are graded by
+`tinymodels.checker`, which works from the problem text alone.
+
 For each configuration: exact-match accuracy with a 95 % Wilson interval, accuracy by task kind,
 responses that do not parse, mean NFE per request, NFE per generated token, NFE excluding blocks
 that are all end tokens, steps saved against the fixed budget, and generated tokens per second
@@ -21,7 +25,10 @@ from engine.chat import chat_prompt_ids
 from engine.decoding import DecodeParams, GenerationResult
 from engine.decoding.params import resolve_defaults
 from engine.engine import Engine
-from tinymodels.tasks import Problem, answer_of, sample
+from engine.loading.tokenizer import encode_text
+from tinymodels.checker import graded_part, is_correct
+from tinymodels.prompt_forms import PROMPT_FORMS
+from tinymodels.tasks import Problem, sample
 
 
 @dataclass(frozen=True)
@@ -114,13 +121,23 @@ def _content_nfe(result: GenerationResult, end_ids: Sequence[int], block_length:
     return total
 
 
+def prompt_ids(engine: Engine, problem: Problem, form: str) -> list[int]:
+    """The ids the server would decode for this problem sent in this form."""
+    if form == "chat":
+        return chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": problem.prompt}])
+    if form == "plain":
+        return encode_text(engine.tokenizer, problem.prompt)
+    raise ValueError(f"prompt form must be one of {', '.join(PROMPT_FORMS)}, got {form!r}")
+
+
 def evaluate(engine: Engine, problems: Sequence[Problem], configs: Sequence[EvalConfig], batch_size: int = 8,
-             progress: Optional[Any] = None, on_problem: Optional[Callable[[], None]] = None) -> list[ConfigReport]:
+             progress: Optional[Any] = None, on_problem: Optional[Callable[[], None]] = None,
+             prompt_form: str = "chat") -> list[ConfigReport]:
     """Every configuration on every problem; `progress(report)` after each configuration,
     `on_problem()` after each problem decoded (a progress bar)."""
     if engine.tokenizer is None:
         raise ValueError("evaluation needs the checkpoint's tokenizer")
-    prompts = [chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": p.prompt}]) for p in problems]
+    prompts = [prompt_ids(engine, p, prompt_form) for p in problems]
     end_ids = engine.model.special.end_ids
     reports = []
     for config in configs:
@@ -133,8 +150,9 @@ def evaluate(engine: Engine, problems: Sequence[Problem], configs: Sequence[Eval
         results = runner.generate(prompts, params, on_finish=(lambda _: on_problem()) if on_problem else None)
         report.seconds = time.perf_counter() - start
         for problem, result in zip(problems, results, strict=True):
-            answer = answer_of(problem.kind, result.text or "")
-            ok = answer is not None and answer == problem.answer
+            text = result.text or ""
+            answer = graded_part(problem.prompt, text)
+            ok = is_correct(problem.prompt, text)
             report.n += 1
             report.correct += ok
             report.unparsed += answer is None

@@ -1,23 +1,24 @@
 """A task family with exact-match answers, for training and measuring the built-in models.
 
-Four kinds, each a user instruction and a reference response:
-- `add`: a+b with 1-4 digit operands, written zero-padded to 4 digits, and a worked chain, one
-  column at a time from the right (digit + digit + carry = two-digit column sum, whose tens digit is
-  the next carry), then the 5-digit sum: "0457+0038" -> "7+8+0=15;5+3+1=09;4+0+0=04;0+0+0=00;=00495";
-- `affine`: x -> (a*x + b) mod m (m = 5 or 7) iterated k <= 9 times, each step labelled,
-  e.g. "x=5 x->3x+2 mod 7 k=4" -> "x1=3,x2=4,x3=0,x4=2";
-- `collatz`: the trajectory to 1, three digits a value (starts whose values stay below 300),
-  e.g. "collatz 006" -> "003,010,005,016,008,004,002,001";
-- `running`: the running total of labelled single digits, two digits a total,
-  e.g. "sum a3 b5 c2 d7" -> "a03,b08,c10,d17".
-In the chained kinds every value depends on the one before it, so later tokens can only be known
-once earlier ones are committed; answer lengths range from a few characters to most of a
-128-token canvas. Every field has a fixed width, so whatever a token depends on sits at a fixed
-distance from it (or is found by its label): a model this small learns such lookups quickly, and
-what is left to learn is the arithmetic.
+Three kinds, each a problem text and a reference response in which later tokens depend on earlier
+ones:
+- `add`: a+b, operands zero-padded to 5 digits, worked one column at a time from the right
+  (digit + digit + carry = two-digit column sum, whose tens digit is the next carry), then the
+  6-digit sum: "00457+00038" -> "7+8+0=15;5+3+1=09;4+0+0=04;0+0+0=00;0+0+0=00;=000495";
+- `sub`: a-b with a >= b, the same shape with borrows: each column reads
+  digit - digit - borrow = (next borrow)(result digit), then the 5-digit difference:
+  "00457-00038" -> "7-8-0=19;5-3-1=01;4-0-0=04;0-0-0=00;0-0-0=00;=00419";
+- `running`: the running total of 6-16 labelled single digits, three digits a total,
+  e.g. "sum a3 b5 c2 d7 e0 f9" -> "a003,b008,c010,d017,e017,f026".
+Difficulty is graded: the longer operand of `add`/`sub` has 1-5 significant digits, `running` has
+6-16 terms. Answers run from 29 to 79 characters, a quarter of the 128-token canvas to most of it.
+Every field has a fixed width, so whatever a token depends on sits at a fixed distance from it (or
+is found by its label): what a small model has to learn is the arithmetic.
 
-Held-out split, by construction: a problem whose canonical key hashes to 0 mod 10 is never
-generated for training (`split="train"`) and is the only kind generated for evaluation.
+Splits, by construction: a problem's canonical key hashes to a bucket 0-9; bucket 0 is the held-out
+evaluation split, bucket 1 the validation split (for calibrating decoding knobs, `cai-dllm
+calibrate`), the rest is training. A stream of one split never yields a problem of another.
+The independent grader is `tinymodels.checker`, which works from the problem text alone.
 """
 
 from __future__ import annotations
@@ -28,24 +29,23 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-KINDS = ("add", "affine", "collatz", "running")
-DEFAULT_MIX = {"add": 0.35, "affine": 0.25, "collatz": 0.1, "running": 0.3}
-HELD_OUT_MODULUS = 10
+KINDS = ("add", "sub", "running")
+DEFAULT_MIX = {"add": 0.35, "sub": 0.35, "running": 0.3}
+SPLITS = ("train", "validation", "eval")
+SPLIT_BUCKETS = 10
+_BUCKET_SPLIT = {0: "eval", 1: "validation"}
+WIDTH = 5  # add/sub operand digits
+MAX_LEVEL = WIDTH  # significant digits of the longer operand
+RUNNING_LABELS = "abcdefghijklmnop"
+RUNNING_MIN_TERMS = 6
+RUNNING_WIDTH = 3
 MAX_RESPONSE_CHARS = 110  # leaves room for the end token in a 128-token canvas
-RUNNING_LABELS = "abcdefghij"
-AFFINE_MODULI = (5, 7)
-AFFINE_MAX_STEPS = 9  # one-digit step labels keep every step the same width
-ADD_WIDTH = 4
-COLLATZ_WIDTH = 3
-RUNNING_WIDTH = 2
-COLLATZ_MAX_VALUE = 300
-COLLATZ_MAX_CHARS = 80
 
 
 @dataclass(frozen=True)
 class Problem:
     kind: str
-    key: str  # canonical operands: what the held-out split hashes
+    key: str  # canonical operands: what the split hashes
     prompt: str
     response: str
 
@@ -55,95 +55,102 @@ class Problem:
 
 
 def answer_of(kind: str, response: str) -> Optional[str]:
-    """The part of a response that is graded: the sum for `add`, the whole sequence otherwise.
-    None when the response does not parse."""
+    """The part of a response that is graded: the result for `add`/`sub`, the whole sequence of
+    totals for `running`. None when the response does not parse."""
     text = response.strip()
-    if kind == "add":
+    if kind in ("add", "sub"):
         if "=" not in text:
             return None
         value = text.rsplit("=", 1)[1]
         return value if value.isdigit() else None
-    parts = text.split(",")
     if kind == "running":
-        parts = [p[1:] for p in parts if p[:1].isalpha()] if all(p[:1].isalpha() for p in parts) else [""]
-    if kind == "affine":
-        parts = [p.partition("=")[2] if p.startswith("x") and "=" in p else "" for p in parts]
-    return text if text and all(p.isdigit() for p in parts) else None
+        parts = text.split(",")
+        ok = bool(text) and all(p[:1].isalpha() and p[1:].isdigit() for p in parts)
+        return text if ok else None
+    raise ValueError(f"unknown task kind {kind!r}; known: {', '.join(KINDS)}")
+
+
+def split_of(kind: str, key: str) -> str:
+    digest = hashlib.sha256(f"{kind}:{key}".encode()).digest()
+    return _BUCKET_SPLIT.get(int.from_bytes(digest[:8], "little") % SPLIT_BUCKETS, "train")
 
 
 def is_held_out(kind: str, key: str) -> bool:
-    digest = hashlib.sha256(f"{kind}:{key}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") % HELD_OUT_MODULUS == 0
+    return split_of(kind, key) == "eval"
 
 
-def _add(a: int, b: int) -> Problem:
-    xs, ys = f"{a:0{ADD_WIDTH}d}"[::-1], f"{b:0{ADD_WIDTH}d}"[::-1]
+def _columns(a: int, b: int) -> tuple[list[int], list[int]]:
+    """Both operands' digits, units first."""
+    return list(map(int, f"{a:0{WIDTH}d}"[::-1])), list(map(int, f"{b:0{WIDTH}d}"[::-1]))
+
+
+def add_problem(a: int, b: int) -> Problem:
+    xs, ys = _columns(a, b)
     columns, carry = [], 0
-    for x, y in zip(map(int, xs), map(int, ys), strict=True):
+    for x, y in zip(xs, ys, strict=True):
         total = x + y + carry
         columns.append(f"{x}+{y}+{carry}={total:02d}")
         carry = total // 10
-    prompt = f"{a:0{ADD_WIDTH}d}+{b:0{ADD_WIDTH}d}"
-    return Problem("add", f"{a}+{b}", prompt, ";".join(columns) + f";={a + b:0{ADD_WIDTH + 1}d}")
+    prompt = f"{a:0{WIDTH}d}+{b:0{WIDTH}d}"
+    return Problem("add", f"{a}+{b}", prompt, ";".join(columns) + f";={a + b:0{WIDTH + 1}d}")
 
 
-def collatz_trajectory(n: int) -> list[int]:
-    out = []
-    while n != 1:
-        n = n // 2 if n % 2 == 0 else 3 * n + 1
-        out.append(n)
-    return out
+def sub_problem(a: int, b: int) -> Problem:
+    if a < b:
+        raise ValueError(f"sub needs a >= b, got {a}-{b}")
+    xs, ys = _columns(a, b)
+    columns, borrow = [], 0
+    for x, y in zip(xs, ys, strict=True):
+        digit = x - y - borrow
+        next_borrow = int(digit < 0)
+        columns.append(f"{x}-{y}-{borrow}={next_borrow}{digit % 10}")
+        borrow = next_borrow
+    prompt = f"{a:0{WIDTH}d}-{b:0{WIDTH}d}"
+    return Problem("sub", f"{a}-{b}", prompt, ";".join(columns) + f";={a - b:0{WIDTH}d}")
 
 
-COLLATZ_STARTS = tuple(s for s in range(2, 200)
-                       if len(collatz_trajectory(s)) * (COLLATZ_WIDTH + 1) - 1 <= COLLATZ_MAX_CHARS
-                       and max(collatz_trajectory(s)) < COLLATZ_MAX_VALUE)
+def running_problem(digits: Sequence[int]) -> Problem:
+    if not RUNNING_MIN_TERMS <= len(digits) <= len(RUNNING_LABELS):
+        raise ValueError(f"running needs {RUNNING_MIN_TERMS}-{len(RUNNING_LABELS)} terms, got {len(digits)}")
+    totals, running = [], 0
+    for label, d in zip(RUNNING_LABELS, digits, strict=False):
+        running += d
+        totals.append(f"{label}{running:0{RUNNING_WIDTH}d}")
+    terms = " ".join(f"{label}{d}" for label, d in zip(RUNNING_LABELS, digits, strict=False))
+    return Problem("running", "".join(map(str, digits)), f"sum {terms}", ",".join(totals))
+
+
+def _operand(rng: random.Random, digits: int) -> int:
+    return rng.randint(10 ** (digits - 1) if digits > 1 else 0, 10 ** digits - 1)
 
 
 def make_problem(kind: str, rng: random.Random) -> Problem:
-    if kind == "add":
-        da, db = rng.randint(1, 4), rng.randint(1, 4)
-        return _add(rng.randint(10 ** (da - 1) if da > 1 else 0, 10 ** da - 1),
-                    rng.randint(10 ** (db - 1) if db > 1 else 0, 10 ** db - 1))
-    if kind == "affine":
-        m = rng.choice(AFFINE_MODULI)
-        a, b, x, k = (rng.randint(1, m - 1), rng.randint(0, m - 1), rng.randint(0, m - 1),
-                      rng.randint(3, AFFINE_MAX_STEPS))
-        values, y = [], x
-        for i in range(k):
-            y = (a * y + b) % m
-            values.append(f"x{i + 1}={y}")
-        key = f"{x},{a},{b},{m},{k}"
-        return Problem("affine", key, f"x={x} x->{a}x+{b} mod {m} k={k}", ",".join(values))
-    if kind == "collatz":
-        start = rng.choice(COLLATZ_STARTS)
-        values = ",".join(f"{v:0{COLLATZ_WIDTH}d}" for v in collatz_trajectory(start))
-        return Problem("collatz", str(start), f"collatz {start:0{COLLATZ_WIDTH}d}", values)
+    if kind in ("add", "sub"):
+        level = rng.randint(1, MAX_LEVEL)
+        a, b = _operand(rng, level), _operand(rng, rng.randint(1, level))
+        if rng.random() < 0.5:
+            a, b = b, a
+        if kind == "add":
+            return add_problem(a, b)
+        return sub_problem(max(a, b), min(a, b))
     if kind == "running":
-        digits = [rng.randint(0, 9) for _ in range(rng.randint(3, len(RUNNING_LABELS)))]
-        totals, running = [], 0
-        for label, d in zip(RUNNING_LABELS, digits, strict=False):
-            running += d
-            totals.append(f"{label}{running:0{RUNNING_WIDTH}d}")
-        key = "".join(map(str, digits))
-        terms = " ".join(f"{label}{d}" for label, d in zip(RUNNING_LABELS, digits, strict=False))
-        return Problem("running", key, f"sum {terms}", ",".join(totals))
+        count = rng.randint(RUNNING_MIN_TERMS, len(RUNNING_LABELS))
+        return running_problem([rng.randint(0, 9) for _ in range(count)])
     raise ValueError(f"unknown task kind {kind!r}; known: {', '.join(KINDS)}")
 
 
 def problems(seed: int, split: str, mix: Optional[dict[str, float]] = None) -> Iterator[Problem]:
-    """An endless, reproducible stream of problems of one split ("train" or "eval")."""
-    if split not in ("train", "eval"):
-        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    """An endless, reproducible stream of problems of one split ("train", "validation" or "eval")."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     mix = mix or DEFAULT_MIX
     kinds: Sequence[str] = list(mix)
     weights = [mix[k] for k in kinds]
     rng = random.Random(f"{split}:{seed}")
-    want_held_out = split == "eval"
     while True:
         kind = rng.choices(kinds, weights)[0]
         problem = make_problem(kind, rng)
-        if is_held_out(problem.kind, problem.key) == want_held_out:
+        if split_of(problem.kind, problem.key) == split:
             yield problem
 
 

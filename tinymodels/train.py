@@ -1,6 +1,7 @@
 """Training the built-in tiny models on the task family, on CPU, with LLaDA's objective.
 
-Each example is the chat-templated instruction followed by a canvas: the reference response, then
+Each example is the problem, chat-templated or plain (as `/v1/completions` sends it, a
+`plain_prompt_share` of the examples), followed by a canvas: the reference response, then
 end tokens to the end of the canvas (as the Instruct models are trained). A mask ratio
 t ~ U(eps, 1) is drawn per example, each canvas position is masked with probability t, and the loss
 is the cross-entropy on the masked positions weighted by 1/t (LLaDA's SFT objective), normalised by
@@ -37,6 +38,7 @@ from engine.special_tokens import SpecialTokens
 from tinymodels import char_tokenizer as chars
 from tinymodels.formats import dream_config, generation_config, llada_config, save_checkpoint
 from tinymodels.optim import Optimizer, build_optimizer
+from tinymodels.prompt_forms import prompt_text
 from tinymodels.tasks import Problem, problems
 from tinymodels.train_config import TrainConfig
 
@@ -79,11 +81,15 @@ def _encode(texts: list[str]) -> list[list[int]]:
     return [e.ids for e in chars.build_tokenizer().encode_batch(texts, add_special_tokens=False)]
 
 
-def encode_examples(batch: list[Problem], gen_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def encode_examples(batch: list[Problem], gen_length: int, plain: Optional[list[bool]] = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [B, P + gen_length] (prompts left-padded), attention mask, and the canvas mask
-    (True on the gen_length positions the loss is taken over)."""
+    (True on the gen_length positions the loss is taken over). `plain[i]`: example i's prompt is the
+    bare problem text, not the chat template."""
     end_id = chars.special_id(chars.END)
-    prompts = _encode([chars.render_user_prompt(p.prompt) for p in batch])
+    plain = plain or [False] * len(batch)
+    forms = ["plain" if bare else "chat" for bare in plain]
+    prompts = _encode([prompt_text(p.prompt, form) for p, form in zip(batch, forms, strict=True)])
     responses = _encode([p.response for p in batch])
     width = max(len(p) for p in prompts)
     ids = torch.full((len(batch), width + gen_length), end_id, dtype=torch.long)
@@ -166,7 +172,8 @@ def train_step(model: torch.nn.Module, optimizer: Optimizer, config: TrainConfig
     optimizer.zero_grad(set_to_none=True)
     loss = torch.zeros((), device=device)
     for examples, canvas_length in micro_batches(config, step_examples(config, step), generator):
-        ids, attention, canvas = encode_examples(examples, canvas_length)
+        plain = (torch.rand(len(examples), generator=generator) < config.plain_prompt_share).tolist()
+        ids, attention, canvas = encode_examples(examples, canvas_length, plain)
         ids, attention = ids.to(device), attention.to(device)  # masks are drawn on the CPU
         part = masked_diffusion_loss(model, ids, attention, canvas, generator, config.gen_length,
                                      config.prefix_mask_share)
@@ -176,6 +183,27 @@ def train_step(model: torch.nn.Module, optimizer: Optimizer, config: TrainConfig
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     return loss.item()
+
+
+def _export(model: DiffusionTransformer, hf: dict[str, Any], config: TrainConfig, dest: Path) -> None:
+    save_checkpoint(model, hf, generation_config(config.arch, chars.special_id(chars.END),
+                                                 chars.special_id(chars.MASK)), dest)
+    chars.write_tokenizer_files(dest)
+
+
+def snapshot(out: Path, dest: Path) -> dict[str, Any]:
+    """Write the model of a run's last saved training state (`out/train_state.pt`) as a checkpoint
+    to `dest`, leaving the run untouched: a mid-run look with `cai-dllm eval`. Returns its log."""
+    state_path = out / _STATE_FILE
+    if not state_path.exists():
+        raise FileNotFoundError(f"no training state at {state_path}")
+    state = torch.load(state_path, weights_only=False, map_location="cpu")
+    config = TrainConfig(**state["log"]["config"])
+    model, hf = build_model(config)
+    model.load_state_dict(state["model"])
+    model.eval()
+    _export(model, hf, config, dest)
+    return state["log"]
 
 
 def train(config: TrainConfig, out: Path, resume: bool = False, max_minutes: Optional[float] = None,
@@ -230,8 +258,6 @@ def train(config: TrainConfig, out: Path, resume: bool = False, max_minutes: Opt
     save_state()
     model.eval()
     model.to("cpu")
-    save_checkpoint(model, hf, generation_config(config.arch, chars.special_id(chars.END),
-                                                 chars.special_id(chars.MASK)), out)
-    chars.write_tokenizer_files(out)
+    _export(model, hf, config, out)
     (out / "training_log.json").write_text(json.dumps(log, indent=1) + "\n")
     return log

@@ -42,6 +42,9 @@ class TrainConfig:
     # Share of examples masked only after a random cut in the canvas (a response prefix stays
     # visible): the pattern a one-token-per-step decoder meets when it fills a chain left to right.
     prefix_mask_share: float = 0.0
+    # Share of examples given the bare problem text as their prompt (what `/v1/completions` sends)
+    # instead of the chat template: both forms are served, so both are trained.
+    plain_prompt_share: float = 0.5
     optimizer: str = "adamw"  # or "muon" (tinymodels/optim.py)
     mix: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_MIX))
 
@@ -52,5 +55,7 @@ class TrainConfig:
             raise ValueError(f"micro_batches must be in 1..batch_size, got {self.micro_batches}")
         if not 0.0 <= self.prefix_mask_share <= 1.0:
             raise ValueError(f"prefix_mask_share must be in [0, 1], got {self.prefix_mask_share}")
+        if not 0.0 <= self.plain_prompt_share <= 1.0:
+            raise ValueError(f"plain_prompt_share must be in [0, 1], got {self.plain_prompt_share}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")

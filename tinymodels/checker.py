@@ -1,0 +1,48 @@
+"""The graders' reference: the expected answer of a problem worked out from its text alone.
+
+Written apart from the generator (`tinymodels.tasks`) on purpose: it parses the prompt a user
+would send and computes the answer with Python's own arithmetic, so a bug in the generator's
+worked chains cannot agree with itself in the tests or the evaluation.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+_ADD = re.compile(r"^(\d{5})\+(\d{5})$")
+_SUB = re.compile(r"^(\d{5})-(\d{5})$")
+_RUNNING = re.compile(r"^sum((?: [a-z]\d)+)$")
+
+
+def expected_answer(prompt: str) -> Optional[str]:
+    """The graded answer for a problem text, or None when the text is not a problem of the family."""
+    text = prompt.strip()
+    if match := _ADD.match(text):
+        return str(int(match[1]) + int(match[2])).zfill(6)
+    if match := _SUB.match(text):
+        difference = int(match[1]) - int(match[2])
+        return str(difference).zfill(5) if difference >= 0 else None
+    if match := _RUNNING.match(text):
+        total, parts = 0, []
+        for term in match[1].split():
+            total += int(term[1])
+            parts.append(term[0] + str(total).zfill(3))
+        return ",".join(parts)
+    return None
+
+
+def graded_part(prompt: str, response: str) -> Optional[str]:
+    """What a response claims as its answer: the value after the last '=' for sums and
+    differences, the whole text for running totals."""
+    text = response.strip()
+    if _RUNNING.match(prompt.strip()):
+        return text or None
+    if "=" not in text:
+        return None
+    return text.rsplit("=", 1)[1] or None
+
+
+def is_correct(prompt: str, response: str) -> bool:
+    expected = expected_answer(prompt)
+    return expected is not None and graded_part(prompt, response) == expected
