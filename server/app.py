@@ -113,7 +113,8 @@ class AppState:
             return None
         return openapi.Limits(model=self.settings.model_name, max_model_len=engine.max_model_len,
                               max_n=self.settings.max_n, max_logprobs=engine.config.max_logprobs,
-                              vocab_size=engine.model.config.vocab_size)
+                              vocab_size=engine.model.config.vocab_size,
+                              profiles=tuple(self.serving.profiles) if self.serving else ())
 
     def failure(self) -> Optional[tuple[str, str]]:
         """(code, message) of a failure this server will not recover from by itself: the model did
@@ -255,7 +256,8 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
         assert state.engine is not None and state.meter is not None
         return ModelCard(id=settings.model_name, created=int(state.started), root=settings.model,
                          max_model_len=serving.max_model_len, architecture=state.engine.architecture,
-                         energy_meter=state.meter.name)
+                         energy_meter=state.meter.name, decoding_profiles=list(serving.profiles),
+                         default_decoding_profile=serving.default_profile.name if serving.default_profile else None)
 
     @app.get("/v1/models")
     async def models() -> Any:

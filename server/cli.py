@@ -105,7 +105,7 @@ def _add_setting(parser: Any, name: str, *aliases: str, unset: str = "", **optio
     from server.settings import setting_default
 
     default = setting_default(name)
-    shown = unset if unset and default in (None, {}) else _shown(default)
+    shown = unset if unset and default in (None, {}, []) else _shown(default)
     options["help"] = f"{options.get('help', '')} (default: {shown})".lstrip()
     parser.add_argument("--" + name.replace("_", "-"), *aliases, dest=name, default=None, **options)
 
@@ -263,6 +263,9 @@ def _serve(args: argparse.Namespace) -> int:
         from engine.decoding import DecodeParams
 
         DecodeParams.from_dict(settings.default_decoding)
+        from engine.decoding.profiles import load_profile, profile_table
+
+        profile_table(load_profile(path) for path in settings.decoding_profiles)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -452,6 +455,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_setting(sv, "allowed_origins", type=_json_list,
                  help='JSON list of origins allowed to call the API from a browser (CORS), e.g. \'["*"]\'',
                  unset="none: CORS off")
+    _add_setting(sv, "decoding_profiles", "--decoding-profile", action="append", metavar="FILE",
+                 help="a decoding profile file (cai-dllm calibrate writes one); the first is every request's "
+                      "default, any can be named by a request as decoding.profile; repeat for several",
+                 unset="none: the paper's defaults")
     _add_setting(sv, "chat_template", help="a Jinja chat template file (or the template itself) used instead of "
                                            "the checkpoint's", unset="the checkpoint's")
     serve.set_defaults(func=_serve)

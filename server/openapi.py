@@ -95,6 +95,7 @@ class Limits:
     max_n: int
     max_logprobs: int
     vocab_size: int
+    profiles: tuple[str, ...] = ()
 
 
 _GENERATION = ("CompletionRequest", "ChatCompletionRequest")
@@ -126,6 +127,9 @@ def _apply_limits(doc: dict[str, Any], limits: Limits) -> None:
         for field in ("logprobs", "top_logprobs"):
             if field in props:
                 _bound_integers(props[field], maximum=limits.max_logprobs)
+        for branch in props["decoding"].get("anyOf", []):
+            if branch.get("type") == "object" and limits.profiles:
+                branch["properties"]["profile"]["enum"] = list(limits.profiles)
     for branch in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
         if branch.get("type") != "array":
             continue

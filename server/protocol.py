@@ -71,6 +71,14 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+def decoding_object_schema() -> dict[str, Any]:
+    """The request's `decoding` object: every knob but the canvas (max_tokens sets it), and the name
+    of a decoding profile the server loaded (the document lists them once the model is up)."""
+    schema = decoding_schema(leave_out=("gen_length",))
+    schema["properties"]["profile"] = {"type": "string", "description": "a decoding profile (GET /v1/models)"}
+    return schema
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
@@ -92,8 +100,7 @@ class _Sampling(_Body):
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     decoding: Annotated[Optional[dict[str, Any]],
-                        WithJsonSchema({"anyOf": [decoding_schema(leave_out=("gen_length",)),  # max_tokens sets it
-                                                  {"type": "null"}]})] = None
+                        WithJsonSchema({"anyOf": [decoding_object_schema(), {"type": "null"}]})] = None
     presence_penalty: neutral("presence_penalty", [0, None]) = None  # type: ignore[valid-type]
     frequency_penalty: neutral("frequency_penalty", [0, None]) = None  # type: ignore[valid-type]
     repetition_penalty: neutral("repetition_penalty", [1, None]) = None  # type: ignore[valid-type]
@@ -310,6 +317,8 @@ class ModelCard(BaseModel):
     max_model_len: int
     architecture: str
     energy_meter: str
+    decoding_profiles: list[str] = []  # names a request can give as decoding.profile
+    default_decoding_profile: Optional[str] = None  # applied when a request names none
 
 
 class ModelList(BaseModel):

@@ -29,6 +29,7 @@ from fastapi.responses import Response, StreamingResponse
 from engine import Engine, RequestError
 from engine.decoding import DecodeParamError, DecodeParams, GenerationRequest
 from engine.decoding.params import field_types
+from engine.decoding.profiles import DecodingProfile, load_profile, profile_table
 from engine.decoding.types import TokenLogprob
 from engine.loading.tokenizer import encode_text
 from server.errors import APIError, ClientDisconnected, error_body
@@ -76,8 +77,9 @@ CHAT_TEMPLATE_ERROR = "chat_template_error"  # the checkpoint's template refuses
 EMPTY_PROMPT = "empty_prompt"  # a text that encodes to no token
 SCORING_TOO_LARGE = "scoring_too_large"  # echo + logprobs above --max-score-tokens
 INVALID_UNICODE = "invalid_unicode"  # a lone surrogate escape in a string (valid JSON, not text)
+UNKNOWN_PROFILE = "unknown_profile"  # decoding.profile names no profile this server loaded
 CROSS_FIELD_CODES = (CONTEXT_LENGTH_EXCEEDED, INVALID_DECODING, TOO_MANY_CHOICES, LOGPROBS_REQUIRED,
-                     CHAT_TEMPLATE_ERROR, EMPTY_PROMPT, SCORING_TOO_LARGE, INVALID_UNICODE)
+                     CHAT_TEMPLATE_ERROR, EMPTY_PROMPT, SCORING_TOO_LARGE, INVALID_UNICODE, UNKNOWN_PROFILE)
 # How often a request waiting on the engine checks whether its client is still there.
 _DISCONNECT_POLL_SECONDS = 0.25
 
@@ -147,6 +149,20 @@ class Serving:
         self.end_ids = frozenset(engine.model.special.end_ids)
         self._defaults = dict(settings.default_decoding)
         DecodeParams.from_dict(self._defaults)  # fail at start-up, not per request
+        loaded = [load_profile(path) for path in settings.decoding_profiles]
+        self.profiles = profile_table(loaded)
+        self.default_profile: Optional[DecodingProfile] = loaded[0] if loaded else None
+
+    def _profile_knobs(self, decoding: dict[str, Any]) -> dict[str, Any]:
+        """The knobs of the profile the request names (`decoding.profile`, taken out of `decoding`),
+        or of the server's default profile."""
+        if "profile" not in decoding:
+            return dict(self.default_profile.decoding) if self.default_profile else {}
+        name = decoding.pop("profile")
+        if not isinstance(name, str) or name not in self.profiles:
+            raise APIError(400, f"decoding.profile: unknown profile {name!r}; this server has "
+                           f"{', '.join(self.profiles)}", param="decoding.profile", code=UNKNOWN_PROFILE)
+        return dict(self.profiles[name].decoding)
 
     # ------------------------------------------------------------------ requests -> engine
 
@@ -170,7 +186,10 @@ class Serving:
         if body.decoding and "gen_length" in body.decoding:  # one way to set the canvas, not two
             raise APIError(400, "decoding.gen_length: the generation canvas is set by max_tokens "
                            "(max_completion_tokens in chat)", param="decoding.gen_length", code=INVALID_DECODING)
-        knobs: dict[str, Any] = {**self._defaults, **_integral_knobs(body.decoding or {})}
+        decoding = dict(body.decoding or {})
+        profile = self._profile_knobs(decoding)
+        # the server's defaults, then the profile, then the request's own knobs and OpenAI fields
+        knobs: dict[str, Any] = {**self._defaults, **profile, **_integral_knobs(decoding)}
         for name in ("temperature", "seed", "top_p", "top_k", "min_p"):
             if getattr(body, name) is not None:
                 knobs[name] = getattr(body, name)

@@ -50,6 +50,9 @@ class ServerSettings:
     allowed_origins: list[str] = field(default_factory=list)
     # a Jinja chat template (a file, or the template itself) in place of the checkpoint's
     chat_template: Optional[str] = None
+    # decoding profile files (`cai-dllm calibrate` writes them): the first is every request's
+    # default, each can be named by a request (`decoding.profile`)
+    decoding_profiles: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, EngineConfig):
@@ -67,6 +70,8 @@ class ServerSettings:
             raise ValueError(f"admission_wait_ms must be >= 0, got {self.admission_wait_ms!r}")
         if not isinstance(self.allowed_origins, list) or not all(isinstance(o, str) for o in self.allowed_origins):
             raise ValueError("allowed_origins must be a JSON list of strings, e.g. [\"http://localhost:3000\"]")
+        if not isinstance(self.decoding_profiles, list) or not all(isinstance(p, str) for p in self.decoding_profiles):
+            raise ValueError("decoding_profiles must be a JSON list of file paths")
         if not isinstance(self.default_decoding, dict):
             raise ValueError("default_decoding must be a JSON object")
         if self.log_level not in LOG_LEVELS:
@@ -168,7 +173,7 @@ def load_settings(overrides: Mapping[str, Any], environ: Optional[Mapping[str, s
     environ = os.environ if environ is None else environ
     engine = replace(default_engine(), **_gather(fields(EngineConfig), overrides, environ))
     values = _gather(_server_fields(), overrides, environ)
-    for name in ("default_decoding", "allowed_origins"):
+    for name in ("default_decoding", "allowed_origins", "decoding_profiles"):
         if isinstance(values.get(name), str):
             values[name] = _convert(name, values[name], "dict")
     return ServerSettings(engine=engine, **values)
