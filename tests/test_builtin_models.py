@@ -35,7 +35,7 @@ def test_chat_prompt_is_answered_correctly(name):
     # the worked chain must be right, and llada-tiny's final sum too. dream-tiny gets this one's
     # final sum wrong (00058...), so only its chain is checked.
     engine = Engine(EngineConfig(model=str(MODELS / name)))
-    ids = chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": "0023+0045"}])
+    ids = chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": "00023+00045"}])
     [result] = engine.generate([ids], engine.default_params().with_overrides(policy="fixed", gen_length=128,
                                                                              block_length=32, steps=128))
     chain = "3+5+0=08;2+4+0=06;0+0+0=00;0+0+0=00;="

@@ -99,8 +99,9 @@ def test_generate_text_without_tokenizer_is_an_error(fixtures):
 
 def test_score_ranks_continuations_with_the_engines_numbers():
     model = Path(__file__).resolve().parents[1] / "models" / "llada-tiny"
-    right, wrong = "7+8+0=15;5+3+1=09;4+0+0=04;0+0+0=00;=00495", "7+8+0=15;5+3+1=09;4+0+0=04;0+0+0=00;=00595"
-    out = _run("score", "--model", str(model), "--chat", "--context", "0457+0038", "--continuation", right,
+    right = "7+8+0=15;5+3+1=09;4+0+0=04;0+0+0=00;0+0+0=00;=000495"
+    wrong = "7+8+0=15;5+3+1=09;4+0+0=04;0+0+0=00;0+0+0=00;=000595"
+    out = _run("score", "--model", str(model), "--chat", "--context", "00457+00038", "--continuation", right,
                "--continuation", wrong, "--samples", "4", "--seed", "3", "--json")
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines()]
@@ -110,7 +111,7 @@ def test_score_ranks_continuations_with_the_engines_numbers():
     from engine.chat import chat_prompt_ids
 
     engine = Engine(EngineConfig(model=str(model)))
-    context = chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": "0457+0038"}])
+    context = chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": "00457+00038"}])
     ids = context + engine.tokenizer.encode(right, add_special_tokens=False)
     assert rows[0]["token_logprobs"] == pytest.approx(engine.score(ids, 4, seed=3)[len(context):], abs=1e-9)
     bad = _run("score", "--model", str(model), "--context", "x", "--continuation", "y", "--samples", "0")

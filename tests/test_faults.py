@@ -20,7 +20,7 @@ from serverproc import MODEL, REPO, free_port, metric, running_server
 pytestmark = pytest.mark.slow
 # a request that keeps its row for many steps (one token a step, the whole canvas) and streams text
 # from its first block on (the answer fills it)
-LONG = {"prompt": "<|user|>0457+0038<|assistant|>", "max_tokens": 256, "ignore_eos": True,
+LONG = {"prompt": "<|user|>00457+00038<|assistant|>", "max_tokens": 256, "ignore_eos": True,
         "decoding": {"policy": "fixed", "steps": 256}}
 
 

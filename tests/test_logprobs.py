@@ -101,7 +101,7 @@ def test_ignore_eos_decodes_the_whole_canvas_past_end_tokens():
 
     bundled = Engine(EngineConfig(model=str(REPO / "models" / "llada-tiny"), max_batch=4))
     prompts = [chat_prompt_ids(bundled.tokenizer, [{"role": "user", "content": text}])
-               for text in ("0023+0045", "0457+0038")]
+               for text in ("00023+00045", "00457+00038")]
     params = DecodeParams(policy="fixed", gen_length=64, block_length=32, steps=64)
     stopped = bundled.generate(prompts, params)
     assert all(r.finish_reason == "stop" for r in stopped)  # they answer, then end

@@ -14,9 +14,9 @@ from serverproc import running_server
 
 pytestmark = pytest.mark.slow
 ORIGIN = "http://dashboard.example"
-CHAT = [{"role": "user", "content": "0457+0038"}]
-PROMPT = "<|user|>0457+0038<|assistant|>"
-ANSWER = "7+8+0=15;5+3+1=09;4+0+0=04;0+0+0=00;=00495"  # what llada-tiny answers, 42 tokens
+CHAT = [{"role": "user", "content": "00457+00038"}]
+PROMPT = "<|user|>00457+00038<|assistant|>"
+ANSWER = "7+8+0=15;5+3+1=09;4+0+0=04;0+0+0=00;0+0+0=00;=000495"  # what llada-tiny answers, 52 tokens
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,14 @@ def test_max_tokens_is_a_ceiling(client):
     assert len(chat.choices[0].message.content) == 10 and chat.choices[0].finish_reason == "length"
 
 
+def test_a_plain_completion_is_answered_as_the_chat_form(client):
+    # the bare problem text, as a /v1/completions user sends it: no chat template around it
+    plain = client.completions.create(model="llada-tiny", prompt="00457+00038", max_tokens=128)
+    assert plain.choices[0].text == ANSWER and plain.choices[0].finish_reason == "stop"
+    chat = client.chat.completions.create(model="llada-tiny", messages=CHAT)
+    assert chat.choices[0].message.content == ANSWER
+
+
 def test_vllm_sampling_fields_are_taken(client, server):
     extra = {"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.0, "presence_penalty": 0, "logit_bias": {}}
     out = client.completions.create(model="llada-tiny", prompt=PROMPT, max_tokens=64, extra_body=extra)
@@ -62,7 +70,7 @@ def test_vllm_sampling_fields_are_taken(client, server):
     response = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 7
     messages = [{"role": "system", "content": None},
-                {"role": "user", "content": [{"type": "text", "text": "0457+0038"}]}]
+                {"role": "user", "content": [{"type": "text", "text": "00457+00038"}]}]
     response = httpx.post(f"{server}/v1/chat/completions", json={"messages": messages}, timeout=60)
     assert response.json()["choices"][0]["message"]["content"] == ANSWER
 
@@ -173,7 +181,7 @@ def test_chat_template_override_and_cors_off_by_default(tmp_path):
     with running_server("--chat-template", str(template)) as (base, _):
         ids = httpx.post(f"{base}/tokenize", json={"messages": CHAT}).json()["tokens"]
         text = httpx.post(f"{base}/detokenize", json={"tokens": ids}).json()["prompt"]
-        assert "0457+0038 please" in text
+        assert "00457+00038 please" in text
         response = httpx.post(f"{base}/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4},
                               headers={"Origin": ORIGIN})
         assert response.status_code == 200 and "access-control-allow-origin" not in response.headers

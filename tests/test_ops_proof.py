@@ -16,7 +16,7 @@ import pytest
 from serverproc import metric, running_server
 
 pytestmark = pytest.mark.slow
-PROMPT = "<|user|>0012+0034<|assistant|>"
+PROMPT = "<|user|>00012+00034<|assistant|>"
 QUICK = {"policy": "threshold", "threshold": 0.9, "cache": "dual"}
 
 

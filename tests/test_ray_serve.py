@@ -22,7 +22,7 @@ from serverproc import REPO, free_port
 from test_deploy_files import dashboard_queries
 
 pytestmark = pytest.mark.slow
-PROMPT = "<|user|>0012+0034<|assistant|>"
+PROMPT = "<|user|>00012+00034<|assistant|>"
 SCRAPE_SECONDS = 1
 
 

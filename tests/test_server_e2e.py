@@ -40,7 +40,7 @@ def test_models_version_health(server, client):
 
 
 def test_completion_with_decoding_summary(client):
-    out = client.completions.create(model="llada-tiny", prompt="<|user|>0023+0045<|assistant|>", max_tokens=128)
+    out = client.completions.create(model="llada-tiny", prompt="<|user|>00023+00045<|assistant|>", max_tokens=128)
     choice = out.choices[0]
     assert choice.text and choice.finish_reason in ("stop", "length")
     summary = choice.model_extra["decoding"]
@@ -50,10 +50,10 @@ def test_completion_with_decoding_summary(client):
 
 
 def test_chat_uses_the_checkpoint_template(client):
-    out = client.chat.completions.create(model="llada-tiny", messages=[{"role": "user", "content": "0023+0045"}])
-    raw = client.completions.create(model="llada-tiny", prompt="<|user|>0023+0045<|assistant|>", max_tokens=128)
+    out = client.chat.completions.create(model="llada-tiny", messages=[{"role": "user", "content": "00023+00045"}])
+    raw = client.completions.create(model="llada-tiny", prompt="<|user|>00023+00045<|assistant|>", max_tokens=128)
     assert out.choices[0].message.content == raw.choices[0].text  # the template renders the same prompt
-    assert out.usage.prompt_tokens == len("<|user|>0023+0045<|assistant|>") - len("<|user|>") - len("<|assistant|>") + 2
+    assert out.usage.prompt_tokens == len("<|user|>00023+00045<|assistant|>") - len("<|user|>") - len("<|assistant|>") + 2
 
 
 def test_prompt_forms(client):
@@ -96,7 +96,7 @@ def test_n_samples(client):
 
 
 def test_stop_strings(client):
-    prompt = "<|user|>0457+0038<|assistant|>"
+    prompt = "<|user|>00457+00038<|assistant|>"
     full = client.completions.create(model="llada-tiny", prompt=prompt, max_tokens=64).choices[0].text
     stop = full[3:5]  # a stop string that occurs in the output
     out = client.completions.create(model="llada-tiny", prompt=prompt, max_tokens=64, stop=[stop])
