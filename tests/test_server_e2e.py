@@ -53,7 +53,7 @@ def test_chat_uses_the_checkpoint_template(client):
     out = client.chat.completions.create(model="llada-tiny", messages=[{"role": "user", "content": "00023+00045"}])
     raw = client.completions.create(model="llada-tiny", prompt="<|user|>00023+00045<|assistant|>", max_tokens=128)
     assert out.choices[0].message.content == raw.choices[0].text  # the template renders the same prompt
-    assert out.usage.prompt_tokens == len("<|user|>00023+00045<|assistant|>") - len("<|user|>") - len("<|assistant|>") + 2
+    assert out.usage.prompt_tokens == len("00023+00045") + 2  # one a character, one a role marker
 
 
 def test_prompt_forms(client):

@@ -27,20 +27,17 @@ def expected_answer(prompt: str) -> Optional[str]:
         total, parts = 0, []
         for term in match[1].split():
             total += int(term[1])
-            parts.append(term[0] + str(total).zfill(3))
+            parts.append(f"{term[:2]}={str(total).zfill(3)}")
         return ",".join(parts)
     return None
 
 
 def graded_part(prompt: str, response: str) -> Optional[str]:
-    """What a response claims as its answer: the value after the last '=' for sums and
-    differences, the whole text for running totals."""
-    text = response.strip()
-    if _RUNNING.match(prompt.strip()):
-        return text or None
-    if "=" not in text:
-        return None
-    return text.rsplit("=", 1)[1] or None
+    """What a response claims as its answer: what follows the worked chain's last ';=' (sums and
+    differences), else the whole response (running totals). The lm-eval task's filter takes the
+    same part (bench/lm_eval/cai_builtin.yaml), so both grade alike."""
+    text = response.strip().rsplit(";=", 1)[-1].strip()
+    return text or None
 
 
 def is_correct(prompt: str, response: str) -> bool:
