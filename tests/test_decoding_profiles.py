@@ -102,3 +102,16 @@ def test_profile_round_trip_through_the_server(tmp_path):
         error = refused.value.body
         assert error["param"] == "decoding.profile" and error["code"] == "unknown_profile"
         assert "slow" in error["message"]
+
+
+def test_profiles_from_flags_and_environment():
+    from server.cli import build_parser
+    from server.settings import load_settings
+
+    args = build_parser().parse_args(["serve", "--decoding-profile", "a.json", "--decoding-profile", "b.json"])
+    assert load_settings({"decoding_profiles": args.decoding_profiles}, environ={}).decoding_profiles == [
+        "a.json", "b.json"]
+    environ = {"CAI_DLLM_DECODING_PROFILES": '["c.json"]'}
+    assert load_settings({}, environ=environ).decoding_profiles == ["c.json"]
+    with pytest.raises(ValueError, match="decoding_profiles"):
+        load_settings({}, environ={"CAI_DLLM_DECODING_PROFILES": '{"a": 1}'})
