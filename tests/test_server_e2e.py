@@ -69,7 +69,8 @@ def test_prompt_forms(client):
 
 
 def test_streaming_matches_and_reports_usage(client):
-    kwargs = dict(model="llada-tiny", messages=[{"role": "user", "content": "collatz 006"}], max_tokens=128)
+    long_answer = "sum a2 b2 c5 d2 e6 f0 g3 h6 i2 j6 k9 l7 m3"  # 13 items: several blocks of text
+    kwargs = dict(model="llada-tiny", messages=[{"role": "user", "content": long_answer}], max_tokens=128)
     full = client.chat.completions.create(**kwargs)
     stream = client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
     pieces, finish, usage, chunks = [], None, None, 0
