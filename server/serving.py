@@ -19,7 +19,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any, Optional, Union
 
@@ -137,6 +137,21 @@ def chat_logprobs(choice: ChoiceOutput, logged: list[LoggedToken]) -> Optional[C
 def _json(body: Any) -> Response:
     """A response body serialized by pydantic's own encoder (no dict and json.dumps in between)."""
     return Response(content=body.model_dump_json(), media_type="application/json")
+
+
+class _DisconnectWatch:
+    """Asks the ASGI server whether the client is still there, at most once per poll interval."""
+
+    def __init__(self, request: Request, clock: Callable[[], float] = time.monotonic) -> None:
+        self._request, self._clock = request, clock
+        self._next_look = clock() + _DISCONNECT_POLL_SECONDS
+
+    async def gone(self) -> bool:
+        now = self._clock()
+        if now < self._next_look:
+            return False
+        self._next_look = now + _DISCONNECT_POLL_SECONDS
+        return await self._request.is_disconnected()
 
 
 class Serving:
@@ -365,23 +380,27 @@ class Serving:
     def _summary(choice: ChoiceOutput) -> Optional[DecodingSummary]:
         return None if choice.result is None else DecodingSummary.of(choice.result.stats, choice.joules)
 
-    async def _next_event(self, queue: asyncio.Queue, deadline: float, request: Request) -> Any:
-        """The next engine event for this request; None if the client has gone; 504 past the deadline."""
+    async def _next_event(self, queue: asyncio.Queue, deadline: float, watch: _DisconnectWatch) -> Any:
+        """The next engine event for this request; None if the client has gone; 504 past the deadline.
+        The client is looked at every poll interval even while events keep coming: a request whose
+        rows yield a delta every step would otherwise hold its rows until it finishes."""
         while True:
+            if await watch.gone():
+                return None
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise APIError(504, f"request timed out after {self.settings.request_timeout:g} s", code="timeout")
             try:
                 return await asyncio.wait_for(queue.get(), timeout=min(_DISCONNECT_POLL_SECONDS, remaining))
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return None
+                continue
 
     async def _run(self, choices: list[ChoiceOutput], queue: asyncio.Queue,
                    request: Request) -> AsyncIterator[tuple[ChoiceOutput, str]]:
         """The one output loop: yields (choice, text that may be sent now) as deltas arrive; a choice's
         last piece comes with `choice.finished` set. Aborts what is left on any exit."""
         deadline = time.monotonic() + self.settings.request_timeout
+        watch = _DisconnectWatch(request)
         by_index = {c.index: c for c in choices}
         pending = {c.index for c in choices if not c.finished}
         for choice in choices:
@@ -390,7 +409,7 @@ class Serving:
                 yield choice, choice.take()
         try:
             while pending:
-                event = await self._next_event(queue, deadline, request)
+                event = await self._next_event(queue, deadline, watch)
                 if event is None:
                     return  # the client went away
                 choice = by_index[event.choice]

@@ -18,10 +18,12 @@ import pytest
 from serverproc import MODEL, REPO, free_port, metric, running_server
 
 pytestmark = pytest.mark.slow
-# a request that keeps its row for many steps (one token a step, the whole canvas) and streams text
-# from its first block on (the answer fills it)
-LONG = {"prompt": "<|user|>00457+00038<|assistant|>", "max_tokens": 256, "ignore_eos": True,
-        "decoding": {"policy": "fixed", "steps": 256}}
+# a request that keeps its row for many steps (one token a step over the whole canvas), whatever the
+# model answers; the chat stream's first chunk (the role) is sent before any decoding
+LONG = {"prompt": "<|user|>00457+00038<|assistant|>", "max_tokens": 512, "ignore_eos": True,
+        "decoding": {"policy": "fixed", "steps": 512}}
+LONG_CHAT = {"messages": [{"role": "user", "content": "00457+00038"}], "max_tokens": 512, "ignore_eos": True,
+             "decoding": {"policy": "fixed", "steps": 512}}
 
 
 def _wait_for(condition, what: str, timeout: float = 60) -> None:
@@ -39,7 +41,8 @@ def test_clients_that_leave_are_disconnects_not_errors():
     with running_server("--log-level", "info") as (base, proc):
         with pytest.raises(httpx.ReadTimeout):  # a whole response's client gives up
             httpx.post(f"{base}/v1/completions", json=LONG, timeout=1.0)
-        with httpx.stream("POST", f"{base}/v1/completions", json={**LONG, "stream": True}, timeout=60) as r:
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json={**LONG_CHAT, "stream": True},
+                          timeout=60) as r:
             next(line for line in r.iter_lines() if line)  # a stream's client reads a chunk and leaves
         _wait_for(lambda: metric(httpx.get(f"{base}/metrics").text, "caidllm:client_disconnects_total") == 2,
                   "two disconnects counted")

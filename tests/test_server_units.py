@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 
@@ -10,7 +11,7 @@ import pytest
 from server.energy import EnergyMeter, NvmlMeter, RaplMeter, open_meter, share_energy
 from server.output import ChoiceOutput, IncrementalDetokenizer, find_stop, finish_reason_of, held_back
 from server.protocol import new_id
-from server.serving import Serving
+from server.serving import _DISCONNECT_POLL_SECONDS, Serving, _DisconnectWatch
 from server.settings import BUNDLED_MODEL, load_settings
 
 
@@ -174,3 +175,30 @@ def test_ids_are_unique_whatever_the_global_random_state_and_across_a_fork():
     with os.fdopen(read) as pipe:
         child = pipe.read()
     assert child != new_id("x")
+
+
+class _LeavingClient:
+    """A request whose client has gone; counts how often the server asked."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    async def is_disconnected(self) -> bool:
+        self.asked += 1
+        return True
+
+
+def test_a_client_that_left_is_seen_within_the_poll_interval_even_while_events_keep_coming():
+    client, now = _LeavingClient(), [0.0]
+    watch = _DisconnectWatch(client, clock=lambda: now[0])  # type: ignore[arg-type]
+
+    async def looks(times: list[float]) -> list[bool]:
+        seen = []
+        for t in times:  # one look per event, as the output loop makes
+            now[0] = t
+            seen.append(await watch.gone())
+        return seen
+
+    inside = [i * _DISCONNECT_POLL_SECONDS / 10 for i in range(10)]
+    assert asyncio.run(looks(inside)) == [False] * 10 and client.asked == 0  # not asked per event
+    assert asyncio.run(looks([_DISCONNECT_POLL_SECONDS])) == [True] and client.asked == 1

@@ -21,8 +21,9 @@ def _small(arch: str, steps: int, optimizer: str = "adamw") -> TrainConfig:
 @pytest.mark.parametrize(("arch", "optimizer"), [("llada", "adamw"), ("dream", "adamw"), ("llada", "muon")])
 def test_smoke_training_loss_falls_and_checkpoint_loads(arch, optimizer, tmp_path):
     log = train(_small(arch, 100, optimizer), tmp_path, progress=False)
-    losses = [loss for _, loss in log["losses"]]
-    assert losses[-1] < 0.6 * losses[0]
+    losses = [loss for _, loss in log["losses"]]  # means over 25 steps each
+    # v2's long worked answers fall more slowly than v1's short ones (Muon: 2.32 -> 1.51 by step 100)
+    assert losses[-1] < 0.75 * losses[0]
     model = load_model(tmp_path)
     assert model.config.architecture == arch
     assert model.logits_shifted == (arch == "dream")
