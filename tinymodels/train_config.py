@@ -38,6 +38,10 @@ class TrainConfig:
     checkpoint_every: int = 250
     micro_batches: int = 2
     full_canvas_share: float = 0.25
+    # A full canvas is drawn between gen_length and long_canvas tokens: a model that only ever saw
+    # 128-token canvases answered nothing at max_tokens 256 (the positions past 128 were new to it),
+    # and users ask for 256 or more.
+    long_canvas: int = 256
     max_extra_fill: int = 32
     # Share of examples masked only after a random cut in the canvas (a response prefix stays
     # visible): the pattern a one-token-per-step decoder meets when it fills a chain left to right.
@@ -53,6 +57,8 @@ class TrainConfig:
             raise ValueError(f"arch must be llada or dream, got {self.arch!r}")
         if not 1 <= self.micro_batches <= self.batch_size:
             raise ValueError(f"micro_batches must be in 1..batch_size, got {self.micro_batches}")
+        if self.long_canvas < self.gen_length:
+            raise ValueError(f"long_canvas ({self.long_canvas}) must be at least gen_length ({self.gen_length})")
         if not 0.0 <= self.prefix_mask_share <= 1.0:
             raise ValueError(f"prefix_mask_share must be in [0, 1], got {self.prefix_mask_share}")
         if not 0.0 <= self.plain_prompt_share <= 1.0:
