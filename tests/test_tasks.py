@@ -68,7 +68,7 @@ def test_checker_by_hand():
     assert graded_part("00457-00038", "  ") is None and graded_part("00457-00038", "no answer") == "no answer"
     assert add_problem(457, 38).response == "7+8+0=15;5+3+1=09;4+0+0=04;0+0+0=00;0+0+0=00;=000495"
     assert sub_problem(457, 38).response == "7-8-0=19;5-3-1=01;4-0-0=04;0-0-0=00;0-0-0=00;=00419"
-    assert running_problem([3, 5, 2, 7, 0, 9]).response == "f;=a3=003,b5=008,c2=010,d7=017,e0=017,f9=026"
+    assert running_problem([3, 5, 2, 7, 0, 9]).response == "a3=003,b5=008,c2=010,d7=017,e0=017,f9=026"
     with pytest.raises(ValueError):
         sub_problem(1, 2)
     with pytest.raises(ValueError):

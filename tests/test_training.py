@@ -9,7 +9,8 @@ import torch
 
 from engine import load_model, load_tokenizer
 from engine.loading.checkpoint import CheckpointFiles
-from tinymodels.train import TrainConfig, masked_diffusion_loss, train
+from tinymodels.tasks import sample
+from tinymodels.train import TrainConfig, masked_diffusion_loss, micro_batches, train
 
 
 def _small(arch: str, steps: int, optimizer: str = "adamw") -> TrainConfig:
@@ -154,3 +155,14 @@ def test_snapshot_writes_the_saved_state_as_a_checkpoint(tmp_path):
     assert model.config.architecture == "dream" and (tmp_path / "snap" / "tokenizer.json").is_file()
     with pytest.raises(FileNotFoundError):
         snapshot(tmp_path / "nothing", tmp_path / "snap2")
+
+
+def test_full_canvases_reach_long_canvas_and_only_when_asked():
+    batch = sample(32, seed=0, split="train")
+    for long_canvas, allowed in [(128, {128}), (256, set(range(128, 257)))]:
+        config = TrainConfig(full_canvas_share=1.0, long_canvas=long_canvas)
+        generator = torch.Generator().manual_seed(0)
+        canvases = {canvas for _ in range(20) for _, canvas in micro_batches(config, batch, generator)}
+        assert canvases <= allowed and (len(canvases) > 1) == (long_canvas > 128)
+    with pytest.raises(ValueError, match="long_canvas"):
+        TrainConfig(long_canvas=64)

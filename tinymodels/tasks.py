@@ -8,17 +8,14 @@ ones:
 - `sub`: a-b with a >= b, the same shape with borrows: each column reads
   digit - digit - borrow = (next borrow)(result digit), then the 5-digit difference:
   "00457-00038" -> "7-8-0=19;5-3-1=01;4-0-0=04;0-0-0=00;0-0-0=00;=00419";
-- `running`: the running total of 6-14 labelled single digits: first the last term's label (where
-  the list ends), then each item: the label, the digit (copied from the prompt) and the three-digit
-  total so far, e.g. "sum a3 b5 c2 d7 e0 f9" -> "f;=a3=003,b5=008,c2=010,d7=017,e0=017,f9=026".
+- `running`: the running total of 6-14 labelled single digits, each item the label, the digit
+  (copied from the prompt) and the three-digit total so far,
+  e.g. "sum a3 b5 c2 d7 e0 f9" -> "a3=003,b5=008,c2=010,d7=017,e0=017,f9=026".
   Copying the digit next to its total makes every total a sum of two numbers at fixed distances
   (the previous total, the digit), as the columns of `add` are: with the total alone, a model of
-  this size had 0 % of running totals right after 3,500 steps (docs/models.md). Without the last
-  label up front, almost every wrong answer had every total right and then one item too many or a
-  stray ',': the model could not tell where the list ends. The graded part is the list of totals,
-  after ';=' as for the other kinds.
+  this size had 0 % of running totals right after 3,500 steps (docs/models.md).
 Difficulty is graded: the longer operand of `add`/`sub` has 1-5 significant digits, `running` has
-6-14 terms. Answers run from 41 to 100 characters, a third of the 128-token canvas to most of it.
+6-14 terms. Answers run from 41 to 97 characters, a third of the 128-token canvas to most of it.
 Every field has a fixed width, so whatever a token depends on sits at a fixed distance from it (or
 is found by its label): what a small model has to learn is the arithmetic.
 
@@ -71,7 +68,6 @@ def answer_of(kind: str, response: str) -> Optional[str]:
         value = text.rsplit("=", 1)[1]
         return value if value.isdigit() else None
     if kind == "running":
-        text = text.rsplit(";=", 1)[-1]
         parts = text.split(",")
         ok = bool(text) and all(len(p) > 3 and p[0].isalpha() and p[1].isdigit() and p[2] == "="
                                 and p[3:].isdigit() for p in parts)
@@ -126,8 +122,7 @@ def running_problem(digits: Sequence[int]) -> Problem:
         running += d
         totals.append(f"{label}{d}={running:0{RUNNING_WIDTH}d}")
     terms = " ".join(f"{label}{d}" for label, d in zip(RUNNING_LABELS, digits, strict=False))
-    last_label = RUNNING_LABELS[len(digits) - 1]
-    return Problem("running", "".join(map(str, digits)), f"sum {terms}", f"{last_label};=" + ",".join(totals))
+    return Problem("running", "".join(map(str, digits)), f"sum {terms}", ",".join(totals))
 
 
 def _operand(rng: random.Random, digits: int) -> int:

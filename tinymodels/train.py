@@ -115,8 +115,10 @@ def micro_batches(config: TrainConfig, batch: list[Problem],
         rows = part.tolist()
         full = torch.rand(1, generator=generator).item() < config.full_canvas_share
         extra = int(torch.randint(0, config.max_extra_fill + 1, (1,), generator=generator))
-        if full:
+        if full and config.long_canvas > config.gen_length:
             canvas = int(torch.randint(config.gen_length, config.long_canvas + 1, (1,), generator=generator))
+        elif full:  # no draw: the v2 recipe's random stream, step for step
+            canvas = config.gen_length
         else:
             canvas = min(config.gen_length, max(lengths[i] for i in rows) + 1 + extra)
         groups.append(([batch[i] for i in rows], canvas))
