@@ -12,6 +12,7 @@ import openai
 import pytest
 from serverproc import REPO, running_server
 
+from engine import Engine, EngineConfig
 from engine.decoding.profiles import (
     PAPER_PROFILE,
     DecodingProfile,
@@ -115,3 +116,14 @@ def test_profiles_from_flags_and_environment():
     assert load_settings({}, environ=environ).decoding_profiles == ["c.json"]
     with pytest.raises(ValueError, match="decoding_profiles"):
         load_settings({}, environ={"CAI_DLLM_DECODING_PROFILES": '{"a": 1}'})
+
+
+def test_the_committed_calibrated_profile_loads_and_its_knobs_are_valid_for_the_model():
+    profile = load_profile(REPO / "models" / "llada-tiny" / "calibrated_profile.json")
+    engine = Engine(EngineConfig(model=str(REPO / "models" / "llada-tiny")))
+    engine.default_params().with_overrides(**profile.decoding, gen_length=128)  # raises on a bad knob
+    validation = profile.validation
+    assert profile.name == "calibrated" and validation["grader"] == "builtin" and validation["items"] == 300
+    assert len(validation["data_sha256"]) == 64 and validation["trials"]
+    # what docs/cai.md reports of it
+    assert validation["feasible"] is False and round(100 * validation["accuracy"], 1) == 77.0
