@@ -19,7 +19,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from functools import partial
 from typing import Any, Optional, Union
 
@@ -168,16 +168,16 @@ class Serving:
         self.profiles = profile_table(loaded)
         self.default_profile: Optional[DecodingProfile] = loaded[0] if loaded else None
 
-    def _profile_knobs(self, decoding: dict[str, Any]) -> dict[str, Any]:
+    def _profile_knobs(self, decoding: dict[str, Any]) -> Mapping[str, Any]:
         """The knobs of the profile the request names (`decoding.profile`, taken out of `decoding`),
-        or of the server's default profile."""
+        or of the server's default profile; read only (they are spread into the request's knobs)."""
         if "profile" not in decoding:
-            return dict(self.default_profile.decoding) if self.default_profile else {}
+            return self.default_profile.decoding if self.default_profile else {}
         name = decoding.pop("profile")
         if not isinstance(name, str) or name not in self.profiles:
             raise APIError(400, f"decoding.profile: unknown profile {name!r}; this server has "
                            f"{', '.join(self.profiles)}", param="decoding.profile", code=UNKNOWN_PROFILE)
-        return dict(self.profiles[name].decoding)
+        return self.profiles[name].decoding
 
     # ------------------------------------------------------------------ requests -> engine
 
