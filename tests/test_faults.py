@@ -22,8 +22,8 @@ pytestmark = pytest.mark.slow
 # model answers; the chat stream's first chunk (the role) is sent before any decoding
 LONG = {"prompt": "<|user|>00457+00038<|assistant|>", "max_tokens": 512, "ignore_eos": True,
         "decoding": {"policy": "fixed", "steps": 512}}
-LONG_CHAT = {"messages": [{"role": "user", "content": "00457+00038"}], "max_tokens": 512, "ignore_eos": True,
-             "decoding": {"policy": "fixed", "steps": 512}}
+LONG_CHAT = {**{k: v for k, v in LONG.items() if k != "prompt"},
+             "messages": [{"role": "user", "content": "00457+00038"}]}
 
 
 def _wait_for(condition, what: str, timeout: float = 60) -> None:
