@@ -24,7 +24,7 @@ from engine.decoding.decide import SUMMARY_COLUMNS, LogprobColumns
 from engine.decoding.types import FINISH_LENGTH, FINISH_STOP, GenerationResult, TokenLogprob
 from engine.request import Request, StepOutput
 
-_COMMITTED, _STILL_MASKED, _FORCED, _GRINDING, _END_POS, _BAND_HIGH, _BAND_LOW, _FIRST_MASKED = range(
+_COMMITTED, _STILL_MASKED, _FORCED, _BAND_HIGH, _BAND_LOW, _GRINDING, _END_POS, _FIRST_MASKED = range(
     len(SUMMARY_COLUMNS))
 _TOKENS = len(SUMMARY_COLUMNS)
 

@@ -57,6 +57,43 @@ def test_one_host_read_per_step_whatever_the_batch(llada_model, dream_model, cac
         assert steps > 1
 
 
+def test_rows_in_slot_order_decide_as_gathered_rows(llada_model):
+    """A full batch reads and writes its slot state as slices; the same rows gathered by slot index
+    (the path of a batch with gaps) decide the same tokens, summary and CAI state, step after step."""
+    import copy
+    import dataclasses
+
+    from engine.decoding.decide import STEP_FIELDS, DecodeState, StepRows, decide_step
+
+    engine = Engine.from_model(llada_model, max_batch=6)  # two slots stay free
+    for i, policy in enumerate(("cai", "cai", "threshold", "cai")):
+        engine.add_request([1 + i, 2, 3], DecodeParams(policy=policy, gen_length=16, block_length=8, cache="dual",
+                                                       theta_s=0.5 + 0.1 * i))
+    _, admitted = engine.scheduler.schedule()
+    state = DecodeState(6, llada_model.device)
+    for request in admitted:
+        state.admit(request)
+    rows = StepRows.build(engine.scheduler.running, llada_model.device)
+    assert rows.in_slot_order
+    states = {True: state, False: copy.deepcopy(state)}
+    mask_id = llada_model.special.mask_id
+    end_ids = torch.tensor(llada_model.special.end_ids)
+    generator = torch.Generator().manual_seed(0)
+    blocks = {flag: torch.full((4, 8), mask_id) for flag in states}
+    for step in range(3):
+        logits = torch.randn(4, 8, llada_model.config.vocab_size, generator=generator) * 4
+        out = {}
+        for flag, decode_state in states.items():
+            step_rows = dataclasses.replace(rows, in_slot_order=flag, fields=rows.fields.clone())
+            step_rows.fields[:, STEP_FIELDS.index("step")] = step
+            out[flag] = decide_step(decode_state, step_rows, logits, blocks[flag], torch.ones(4, 8, dtype=torch.bool),
+                                    mask_id, end_ids)
+            blocks[flag] = out[flag][0]
+        assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
+        assert torch.equal(states[True].first_conf, states[False].first_conf)
+        assert torch.equal(states[True].low_yield, states[False].low_yield)
+
+
 def test_the_mask_token_is_never_predicted():
     from engine.decoding.sampling import predict
 

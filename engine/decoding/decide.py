@@ -158,7 +158,7 @@ POLICIES: dict[str, Policy] = {
 
 # Summary columns before the block's tokens.
 # end_pos and first_masked are the block width when there is none.
-SUMMARY_COLUMNS = ("committed", "still_masked", "forced", "grinding_exit", "end_pos", "band_high", "band_low",
+SUMMARY_COLUMNS = ("committed", "still_masked", "forced", "band_high", "band_low", "grinding_exit", "end_pos",
                    "first_masked")
 
 
@@ -204,6 +204,7 @@ class StepRows:
     any_min_p: bool
     commit_first: bool
     logprob_k: int  # top alternatives to report (the most any row asks); -1: no row wants logprobs
+    in_slot_order: bool  # row b holds slot b: slot-indexed state is read and written as slices
 
     @classmethod
     def build(cls, requests: Sequence[Request], device: torch.device) -> StepRows:
@@ -217,7 +218,8 @@ class StepRows:
                    any_min_p=any(bool(r.params.min_p) for r in requests),
                    commit_first=any(row[5] for row in rows),
                    logprob_k=max((r.params.logprobs for r in requests if r.params.logprobs is not None),
-                                 default=-1))
+                                 default=-1),
+                   in_slot_order=all(r.slot == b for b, r in enumerate(requests)))
 
     def column(self, name: str) -> torch.Tensor:
         return self.fields[:, STEP_FIELDS.index(name)]
@@ -227,17 +229,18 @@ def decide_step(state: DecodeState, rows: StepRows, logits: torch.Tensor, block_
                 in_block: torch.Tensor, mask_id: int, end_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Predict, decide and commit for every row. Returns (the block's new tokens [B, W], the summary
     [B, len(SUMMARY_COLUMNS) + W] whose host copy is the step's one device-to-host transfer)."""
-    slots = rows.column("slot")
+    # A full batch is in slot order (the scheduler keeps it sorted): slices, not gathers and scatters
+    rows_of = slice(None, len(rows.requests)) if rows.in_slot_order else rows.column("slot")
     width = block_tokens.shape[1]
     # Rows that sample draw from their own generators, which stay outside a compiled graph.
     decide = state.compiled if state.compiled is not None and not rows.sampled else decide_tensors
     new_tokens, summary, first_conf, low_yield = decide(
-        state.knobs_f[slots], state.knobs_i[slots], state.knobs_b[slots], state.first_conf[slots, :width],
-        state.low_yield[slots], logits, block_tokens, in_block, rows.fields, end_ids, mask_id, rows.policies,
+        state.knobs_f[rows_of], state.knobs_i[rows_of], state.knobs_b[rows_of], state.first_conf[rows_of, :width],
+        state.low_yield[rows_of], logits, block_tokens, in_block, rows.fields, end_ids, mask_id, rows.policies,
         tuple(rows.sampled), rows.max_top_k, rows.any_top_p, rows.any_min_p, rows.commit_first, rows.logprob_k)
     if "cai" in rows.policies:
-        state.first_conf[slots, :width] = first_conf
-        state.low_yield[slots] = low_yield
+        state.first_conf[rows_of, :width] = first_conf
+        state.low_yield[rows_of] = low_yield
     return new_tokens, summary
 
 
@@ -268,28 +271,33 @@ def decide_tensors(knobs_f: torch.Tensor, knobs_i: torch.Tensor, knobs_b: torch.
                   quota=fields[:, STEP_FIELDS.index("quota")], f=f, i=i, b=b, first_conf=first_conf,
                   low_yield=low_yield)
 
-    commit = torch.zeros_like(candidates)
-    forced = torch.zeros_like(candidates)
-    grinding = torch.zeros_like(step, dtype=torch.bool)
     decided: dict[DecideFn, Decision] = {}
     for name in sorted(policies):
         policy = POLICIES[name]
         if policy.decide not in decided:
             decided[policy.decide] = policy.decide(batch)
-    for fn, decision in decided.items():
-        if len(decided) == 1:
-            mine = torch.ones_like(grinding)
-            commit = decision.commit
+    if len(decided) == 1:  # every row decides alike: its decision is the step's, no per-row choice
+        [decision] = decided.values()
+        commit = decision.commit
+        if decision.forced is not None:
+            forced, grinding = decision.forced, decision.grinding_exit
+            first_conf, low_yield = decision.first_conf, decision.low_yield
         else:
+            forced, grinding = torch.zeros_like(candidates), torch.zeros_like(step, dtype=torch.bool)
+    else:
+        commit = torch.zeros_like(candidates)
+        forced = torch.zeros_like(candidates)
+        grinding = torch.zeros_like(step, dtype=torch.bool)
+        for fn, decision in decided.items():
             mine = torch.zeros_like(grinding)
             for family in {p.family for p in POLICIES.values() if p.decide is fn}:
                 mine |= i["family"] == family
             commit = torch.where(mine[:, None], decision.commit, commit)
-        if decision.forced is not None:
-            forced = torch.where(mine[:, None], decision.forced, forced)
-            grinding = mine & decision.grinding_exit
-            first_conf = torch.where(mine[:, None], decision.first_conf, first_conf)
-            low_yield = torch.where(mine, decision.low_yield, low_yield)
+            if decision.forced is not None:
+                forced = torch.where(mine[:, None], decision.forced, forced)
+                grinding = mine & decision.grinding_exit
+                first_conf = torch.where(mine[:, None], decision.first_conf, first_conf)
+                low_yield = torch.where(mine, decision.low_yield, low_yield)
     if commit_first:  # Fast-dLLM's Dream block decoder: a block's first forward commits its first token
         first_only = fields[:, STEP_FIELDS.index("commit_first_only")] > 0
         first = torch.zeros_like(candidates)
@@ -299,16 +307,15 @@ def decide_tensors(knobs_f: torch.Tensor, knobs_i: torch.Tensor, knobs_b: torch.
     new_tokens = torch.where(commit, x0, block_tokens)
     still_masked = (new_tokens == mask_id) & in_block
     position = torch.arange(width, device=conf.device)
-    beyond = torch.full_like(still_masked, width, dtype=torch.long)
     # first still-masked position, and first end token with no mask before it (width: none)
-    first_masked = torch.where(still_masked, position, beyond).amin(dim=1)
+    first_masked = torch.where(still_masked, position, width).amin(dim=1)
     is_end = torch.isin(new_tokens, end_ids) & in_block & (position < first_masked[:, None])
-    end_pos = torch.where(is_end, position, beyond).amin(dim=1)
-    # first-step confidence bands: above 0.5 and below 0.25 (the host derives the middle band)
-    high = (candidates & (conf > P.CONF_HIGH)).sum(dim=1)
-    low = (candidates & (conf < P.CONF_LOW)).sum(dim=1)
-    parts = [torch.stack([commit.sum(dim=1), still_masked.sum(dim=1), forced.sum(dim=1), grinding.long(), end_pos,
-                          high, low, first_masked], dim=1), new_tokens]
+    end_pos = torch.where(is_end, position, width).amin(dim=1)
+    # the counted columns in one reduction; first-step confidence bands: above 0.5 and below 0.25
+    # (the host derives the middle band)
+    counts = torch.stack([commit, still_masked, forced, candidates & (conf > P.CONF_HIGH),
+                          candidates & (conf < P.CONF_LOW)], dim=1).sum(dim=2)
+    parts = [counts, torch.stack([grinding.long(), end_pos, first_masked], dim=1), new_tokens]
     if logprob_k >= 0:
         chosen, top_values, top_ids = token_logprobs(raw_logits, x0, logprob_k)
         batch_size = new_tokens.shape[0]

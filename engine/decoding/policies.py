@@ -222,9 +222,9 @@ def box7_grinding_phase_detector(committed: torch.Tensor, low_yield: torch.Tenso
     DECISION: L is the generation length by default (the "sequence" being decoded);
     `eta_denominator=block` uses the block length."""
     eta = committed.float() / length
-    counter = torch.where(eta < eta_bar, low_yield + 1, torch.zeros_like(low_yield))
+    counter = torch.where(eta < eta_bar, low_yield + 1, 0)
     fired = enabled & (counter >= patience)
-    return torch.where(fired, torch.zeros_like(counter), counter), fired
+    return torch.where(fired, 0, counter), fired
 
 
 def cai_step(conf: torch.Tensor, candidates: torch.Tensor, step: torch.Tensor, steps_per_block: torch.Tensor,
