@@ -30,6 +30,7 @@ from engine import Engine, EngineConfig
 from engine.chat import chat_prompt_ids
 from engine.decoding.policies import CONF_HIGH, CONF_LOW
 from tinymodels.evaluate import EvalConfig, dual_cache_refresh, evaluate, hardware, held_out_problems
+from tinymodels.tasks import parse_mix
 
 BANDS = ("> 0.5", "0.25 – 0.5", "< 0.25")
 STABLE_FOR = 3
@@ -86,6 +87,7 @@ def confidence_vs_stabilization(engine: Engine, problems, gen_length: int, block
     prompts = [chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": p.prompt}]) for p in problems]
     end_ids = set(engine.model.special.end_ids)
     per_band: list[list[int]] = [[], [], []]
+    by_kind: dict[str, list[int]] = {}  # kind -> answer tokens per band
     chunk = engine.config.max_batch
     for i in range(0, len(prompts), chunk):
         predictions, first_conf, final = trace_fixed_decoding(engine, prompts[i:i + chunk], gen_length,
@@ -97,10 +99,12 @@ def confidence_vs_stabilization(engine: Engine, problems, gen_length: int, block
         for row in range(final.shape[0]):
             tokens = final[row].tolist()
             answer_len = next((j + 1 for j, t in enumerate(tokens) if t in end_ids), len(tokens))
+            kind_bands = by_kind.setdefault(problems[i + row].kind, [0, 0, 0])
             for pos in range(answer_len):
                 s = first_conf[row, pos].item()
                 band = 0 if s > CONF_HIGH else 1 if s >= CONF_LOW else 2
                 per_band[band].append(int(stable[row, pos]))
+                kind_bands[band] += 1
     counts = [len(b) for b in per_band]
     total = sum(counts)
     means = [sum(b) / len(b) if b else float("nan") for b in per_band]
@@ -120,7 +124,9 @@ def confidence_vs_stabilization(engine: Engine, problems, gen_length: int, block
     fig.tight_layout()
     fig.savefig(out / "confidence_vs_stabilization.png", dpi=110)
     plt.close(fig)
-    return {"tokens": total, "share": [c / total for c in counts], "mean_stabilization_step": means}
+    return {"tokens": total, "share": [c / total for c in counts], "mean_stabilization_step": means,
+            "share_by_kind": {kind: {"tokens": sum(b), "share": [c / max(1, sum(b)) for c in b]}
+                              for kind, b in sorted(by_kind.items())}}
 
 
 def steps_saved_per_block(engine: Engine, problems, gen_length: int, block_length: int, out: Path,
@@ -191,6 +197,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/figures"))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, default=8, help="rows decoded together")
+    parser.add_argument("--mix", type=parse_mix, help="task kinds and weights, KIND=WEIGHT,... (default: "
+                                                      "tinymodels.tasks.DEFAULT_MIX)")
     # v2's answers are 41-97 characters: at 32 no held-out problem fits (v1's sweep was 32 / 64 / 128)
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 96, 128],
                         help="generation lengths of the sweep (each a multiple of 32 or at most 32)")
@@ -198,11 +206,11 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     engine = Engine(EngineConfig(model=args.model, device=args.device, max_batch=args.batch_size))
     name = Path(args.model).name
-    problems = held_out_problems(args.n, args.seed)
+    problems = held_out_problems(args.n, args.seed, args.mix)
     started = time.perf_counter()
     out = args.out / name
     out.mkdir(parents=True, exist_ok=True)
-    report = {"model": args.model, "n": args.n, "seed": args.seed, "hardware": hardware(),
+    report = {"model": args.model, "n": args.n, "seed": args.seed, "mix": args.mix, "hardware": hardware(),
               "confidence_vs_stabilization": confidence_vs_stabilization(engine, problems, 128, 32, out),
               "steps_saved_per_block": steps_saved_per_block(engine, problems, 128, 32, out, engine.architecture),
               "generation_length_sweep": generation_length_sweep(engine, problems, out, engine.architecture,

@@ -69,12 +69,12 @@ def load_items(path: str | Path, n: Optional[int] = None) -> list[Item]:
     return items
 
 
-def builtin_items(n: int, seed: int = 0) -> list[Item]:
+def builtin_items(n: int, seed: int = 0, mix: Optional[dict[str, float]] = None) -> list[Item]:
     """The built-in task family's validation split, as chat items (never the held-out split)."""
     from tinymodels.tasks import sample
 
     return [Item({"messages": [{"role": "user", "content": p.prompt}], "answer": p.answer, "problem": p.prompt})
-            for p in sample(n, seed, split="validation")]
+            for p in sample(n, seed, split="validation", mix=mix)]
 
 
 def data_sha256(items: Sequence[Item], grader: str) -> str:

@@ -231,8 +231,9 @@ def _eval(args: argparse.Namespace) -> int:
         configs = [by_name[w] if w in by_name else EvalConfig(w, json.loads(w)) for w in wanted]
     from tqdm import tqdm
 
-    problems = held_out_problems(args.n, args.seed)
-    print(f"# {args.n} held-out problems (seed {args.seed}, {args.prompt_form} prompts) on {hardware()}, "
+    problems = held_out_problems(args.n, args.seed, args.mix)
+    mix = "" if args.mix is None else ", mix " + ",".join(f"{k}={w:g}" for k, w in args.mix.items())
+    print(f"# {args.n} held-out problems (seed {args.seed}, {args.prompt_form} prompts{mix}) on {hardware()}, "
           f"model {args.model}", flush=True)
     # one bar over configurations x problems, with its rate and ETA; each configuration's line above it
     with tqdm(total=len(configs) * len(problems), unit="problem", file=sys.stderr, dynamic_ncols=True) as bar:
@@ -244,6 +245,7 @@ def _eval(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "n": args.n, "seed": args.seed, "prompt_form": args.prompt_form,
+                       "mix": args.mix,
                        "hardware": hardware(),
                        "batch_size": args.batch_size, "configs": [r.as_dict() for r in reports]}, f, indent=1)
     return 0
@@ -260,7 +262,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             items = load_items(args.data, args.n)
             grader_name = args.grader or "exact"
         else:
-            items = builtin_items(args.n, args.seed)
+            items = builtin_items(args.n, args.seed, args.mix)
             grader_name = args.grader or BUILTIN
         grader = make_grader(grader_name)
         engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
@@ -304,6 +306,19 @@ def _calibrate(args: argparse.Namespace) -> int:
     save_profile(profile, args.out)
     print(f"profile {profile.name!r} written to {args.out} (serve it with --decoding-profile {args.out})")
     return 0 if result.feasible else 1
+
+
+_MIX_HELP = ("built-in task kinds and their weights, KIND=WEIGHT,... (default: the mix the built-in models "
+             "were trained on, tinymodels.tasks.DEFAULT_MIX)")
+
+
+def _task_mix(raw: str) -> dict[str, float]:
+    from tinymodels.tasks import parse_mix
+
+    try:
+        return parse_mix(raw)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _float_list(raw: str) -> list[float]:
@@ -481,6 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--gen-length", type=int, default=128, help="generation canvas of every configuration")
     ev.add_argument("--block-length", type=int, default=32, help="block length of every configuration")
     _add_engine_flags(ev, ("device", "dtype"))
+    ev.add_argument("--mix", type=_task_mix, help=_MIX_HELP)
     ev.add_argument("--json", help="also write the full report to this file")
     ev.set_defaults(func=_eval)
 
@@ -561,6 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "checker for the built-in items)")
     cal.add_argument("--n", type=int, default=300, help="items to use (the first N of the file)")
     cal.add_argument("--seed", type=int, default=0, help="which built-in validation problems")
+    cal.add_argument("--mix", type=_task_mix, help=_MIX_HELP)
     cal.add_argument("--objective", choices=("nfe", "accuracy"), default="nfe",
                      help="nfe: fewest forward passes within --tolerance of the fixed decoder's accuracy; "
                           "accuracy: most accurate (within --budget)")
@@ -605,6 +622,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (kind, text) in train_flags.items():
         tr.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(recipe, name), help=text,
                         choices=choices.get(name))
+    tr.add_argument("--mix", type=_task_mix, help="task kinds and their weights, KIND=WEIGHT,... "
+                                                  f"(default: {','.join(f'{k}={w:g}' for k, w in recipe.mix.items())})")
     tr.add_argument("--device", default="cpu", help="where the arithmetic runs (examples and masks are the same)")
     tr.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     tr.add_argument("--max-minutes", type=float, help="stop (and save) after this long (default: no limit)")

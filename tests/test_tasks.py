@@ -9,9 +9,11 @@ import pytest
 from tinymodels import char_tokenizer as chars
 from tinymodels.checker import expected_answer, graded_part, is_correct
 from tinymodels.tasks import (
+    DEFAULT_MIX,
     KINDS,
     MAX_RESPONSE_CHARS,
     SPLITS,
+    SWAP_MIX,
     add_problem,
     answer_of,
     is_held_out,
@@ -19,8 +21,10 @@ from tinymodels.tasks import (
     problems,
     running_problem,
     sample,
+    parse_mix,
     split_of,
     sub_problem,
+    swap_problem,
 )
 
 
@@ -48,7 +52,7 @@ def _check_chain(problem) -> None:
 
 @pytest.mark.parametrize("split", SPLITS)
 def test_generated_answers_agree_with_the_independent_checker(split):
-    for problem in sample(600, seed=3, split=split):
+    for problem in sample(600, seed=3, split=split, mix=SWAP_MIX):
         assert is_correct(problem.prompt, problem.response), problem
         assert problem.answer == expected_answer(problem.prompt)
         assert len(problem.response) <= MAX_RESPONSE_CHARS
@@ -73,21 +77,32 @@ def test_checker_by_hand():
         sub_problem(1, 2)
     with pytest.raises(ValueError):
         running_problem([1, 2])
+    assert expected_answer("swap cabed A13 B24 C35 D12") == "A13=baced,B24=becad,C35=bedac,D12=ebdac"
+    assert swap_problem("cabed", [(1, 3), (2, 4), (3, 5), (1, 2)]).response == "A13=baced,B24=becad,C35=bedac,D12=ebdac"
+    assert expected_answer("swap cabed A31 B24") is None  # a swap names its lower position first
+    assert expected_answer("swap cabbd A13 B24") is None  # not a permutation
+    assert expected_answer("swap cabed B13 A24") is None  # labels run A, B, C, ...
+    for bad in (("cabbd", [(1, 2)] * 4), ("cabed", [(1, 2)] * 3), ("cabed", [(2, 1)] * 4), ("cabed", [(1, 2)] * 11)):
+        with pytest.raises(ValueError):
+            swap_problem(*bad)
 
 
 def test_every_kind_and_level_appears_and_lengths_span_the_canvas():
-    batch = sample(2000, seed=0, split="train")
+    assert {p.kind for p in sample(500, seed=0, split="train")} == set(DEFAULT_MIX)
+    batch = sample(2000, seed=0, split="train", mix=SWAP_MIX)
     assert {p.kind for p in batch} == set(KINDS)
-    levels = {len(str(max(map(int, p.prompt.replace("-", "+").split("+"))))) for p in batch if p.kind != "running"}
+    levels = {len(str(max(map(int, p.prompt.replace("-", "+").split("+"))))) for p in batch if p.kind in ("add", "sub")}
     assert levels == {1, 2, 3, 4, 5}  # graded difficulty: 1 to 5 significant digits
     terms = {len(p.prompt.split()) - 1 for p in batch if p.kind == "running"}
     assert terms == set(range(6, 15))
+    swaps = {len(p.prompt.split()) - 2 for p in batch if p.kind == "swap"}
+    assert swaps == set(range(4, 11))
     lengths = [len(p.response) for p in batch]
-    assert min(lengths) <= 48 and max(lengths) > 90  # from a third of the 128-token canvas to most of it
+    assert min(lengths) <= 40 and max(lengths) > 90  # from a quarter of the 128-token canvas to most of it
 
 
 def test_splits_are_disjoint_by_construction():
-    drawn = {split: sample(2000 if split == "train" else 500, seed=1, split=split) for split in SPLITS}
+    drawn = {split: sample(2000 if split == "train" else 500, seed=1, split=split, mix=SWAP_MIX) for split in SPLITS}
     for split, batch in drawn.items():
         assert all(split_of(p.kind, p.key) == split for p in batch)
     keys = {split: {(p.kind, p.key) for p in batch} for split, batch in drawn.items()}
@@ -118,13 +133,24 @@ def test_answer_parsing():
     assert answer_of("running", "a3=003,b008") is None
     assert answer_of("running", "a3=003,5=008") is None
     assert answer_of("running", "") is None
+    assert answer_of("swap", "A13=baced,B24=becad") == "A13=baced,B24=becad"
+    assert answer_of("swap", "A13=baced,B24=beca") is None
+    assert answer_of("swap", "A13=baced,24=becad") is None
     with pytest.raises(ValueError):
         answer_of("collatz", "1")
 
 
+def test_mix_parsing():
+    assert parse_mix("add=0.2, swap=0.8") == {"add": 0.2, "swap": 0.8}
+    for bad in ("", "add", "mul=1", "add=x", "add=0", "add=-1"):
+        with pytest.raises(ValueError):
+            parse_mix(bad)
+
+
 def test_tokenizer_round_trips_every_character_of_the_task():
     tokenizer = chars.build_tokenizer()
-    texts = [p.prompt for p in sample(300, seed=2)] + [p.response for p in sample(300, seed=2)]
+    drawn = sample(300, seed=2, mix=SWAP_MIX)
+    texts = [p.prompt for p in drawn] + [p.response for p in drawn]
     alphabet = "".join(chr(c) for c in range(32, 127)) + "\n"
     for text in [*texts, alphabet]:
         ids = tokenizer.encode(text, add_special_tokens=False).ids

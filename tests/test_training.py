@@ -101,6 +101,18 @@ def test_prefix_mask_share_is_validated():
         TrainConfig(prefix_mask_share=1.5)
 
 
+def test_mix_is_validated_and_reaches_the_cli():
+    from server.cli import build_parser
+
+    for bad in ({"mul": 1.0}, {}, {"add": 0.0}):
+        with pytest.raises(ValueError, match="mix"):
+            TrainConfig(mix=bad)
+    args = build_parser().parse_args(["train", "--out", "x", "--mix", "add=1,swap=3"])
+    assert args.mix == {"add": 1.0, "swap": 3.0}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--out", "x", "--mix", "add=1,mul=3"])
+
+
 def test_both_prompt_forms_are_encoded_as_the_server_sends_them():
     from tinymodels import char_tokenizer as chars
     from tinymodels.tasks import sample

@@ -182,8 +182,8 @@ def hardware() -> str:
     return f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
 
 
-def held_out_problems(n: int, seed: int) -> list[Problem]:
-    return sample(n, seed, split="eval")
+def held_out_problems(n: int, seed: int, mix: Optional[dict[str, float]] = None) -> list[Problem]:
+    return sample(n, seed, split="eval", mix=mix)
 
 
 def format_table(reports: Sequence[ConfigReport]) -> str:

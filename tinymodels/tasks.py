@@ -1,6 +1,6 @@
 """A task family with exact-match answers, for training and measuring the built-in models.
 
-Three kinds, each a problem text and a reference response in which later tokens depend on earlier
+Four kinds, each a problem text and a reference response in which later tokens depend on earlier
 ones:
 - `add`: a+b, operands zero-padded to 5 digits, worked one column at a time from the right
   (digit + digit + carry = two-digit column sum, whose tens digit is the next carry), then the
@@ -14,10 +14,22 @@ ones:
   Copying the digit next to its total makes every total a sum of two numbers at fixed distances
   (the previous total, the digit), as the columns of `add` are: with the total alone, a model of
   this size had 0 % of running totals right after 3,500 steps (docs/models.md).
+- `swap`: five letters and 4-10 labelled swaps of two positions (1-5), each item the label and the
+  swap (copied from the prompt) and the letters after it, e.g. "swap cabed A13 B24 C35 D12" ->
+  "A13=baced,B24=becad,C35=bedac,D12=ebdac". Given the item before it, an item is a copy with two
+  letters exchanged, found by its label as a running total's digit is; but read from the prompt
+  alone the k-th item is k swaps composed, and composing permutations of five things is the
+  textbook sequential computation that, unlike a sum, does not flatten into a few layers. So at a
+  block's first denoising step the items after the first few are genuinely uncertain and become
+  certain as the items before them are committed: the uneven first-step confidence of a reasoning
+  chain that CAI is built for (the paper's Figure 1c). Sums and running totals are sums, which a
+  model this size learns to compute in one pass: 1.2 % of their answer tokens start below 0.5
+  confidence (docs/models.md).
 Difficulty is graded: the longer operand of `add`/`sub` has 1-5 significant digits, `running` has
-6-14 terms. Answers run from 41 to 97 characters, a third of the 128-token canvas to most of it.
+6-14 terms, `swap` 4-10 swaps. Answers run from 39 to 99 characters, a quarter of the 128-token
+canvas to most of it.
 Every field has a fixed width, so whatever a token depends on sits at a fixed distance from it (or
-is found by its label): what a small model has to learn is the arithmetic.
+is found by its label): what a small model has to learn is the arithmetic and the swaps.
 
 Splits, by construction: a problem's canonical key hashes to a bucket 0-9; bucket 0 is the held-out
 evaluation split, bucket 1 the validation split (for calibrating decoding knobs, `cai-dllm
@@ -33,8 +45,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-KINDS = ("add", "sub", "running")
+KINDS = ("add", "sub", "running", "swap")
+# What the committed built-in models were trained on and are measured on (docs/models.md); `swap`
+# joins the default once they are retrained with it (`--mix`, SWAP_MIX).
 DEFAULT_MIX = {"add": 0.35, "sub": 0.35, "running": 0.3}
+SWAP_MIX = {"add": 0.2, "sub": 0.2, "running": 0.3, "swap": 0.3}
 SPLITS = ("train", "validation", "eval")
 SPLIT_BUCKETS = 10
 _BUCKET_SPLIT = {0: "eval", 1: "validation"}
@@ -43,6 +58,9 @@ MAX_LEVEL = WIDTH  # significant digits of the longer operand
 RUNNING_LABELS = "abcdefghijklmn"
 RUNNING_MIN_TERMS = 6
 RUNNING_WIDTH = 3
+SWAP_LETTERS = "abcde"
+SWAP_LABELS = "ABCDEFGHIJ"
+SWAP_MIN = 4
 MAX_RESPONSE_CHARS = 110  # leaves room for the end token in a 128-token canvas
 
 
@@ -71,6 +89,12 @@ def answer_of(kind: str, response: str) -> Optional[str]:
         parts = text.split(",")
         ok = bool(text) and all(len(p) > 3 and p[0].isalpha() and p[1].isdigit() and p[2] == "="
                                 and p[3:].isdigit() for p in parts)
+        return text if ok else None
+    if kind == "swap":
+        items = text.split(",")
+        width = len(SWAP_LETTERS)
+        ok = bool(text) and all(len(item) == 4 + width and item[0].isupper() and item[1:3].isdigit()
+                                and item[3] == "=" and item[4:].islower() for item in items)
         return text if ok else None
     raise ValueError(f"unknown task kind {kind!r}; known: {', '.join(KINDS)}")
 
@@ -125,6 +149,23 @@ def running_problem(digits: Sequence[int]) -> Problem:
     return Problem("running", "".join(map(str, digits)), f"sum {terms}", ",".join(totals))
 
 
+def swap_problem(letters: str, swaps: Sequence[tuple[int, int]]) -> Problem:
+    """`letters` a permutation of SWAP_LETTERS; `swaps` 1-based position pairs, first < second."""
+    if sorted(letters) != sorted(SWAP_LETTERS):
+        raise ValueError(f"swap needs a permutation of {SWAP_LETTERS!r}, got {letters!r}")
+    if not SWAP_MIN <= len(swaps) <= len(SWAP_LABELS):
+        raise ValueError(f"swap needs {SWAP_MIN}-{len(SWAP_LABELS)} swaps, got {len(swaps)}")
+    state, items = list(letters), []
+    for label, (i, j) in zip(SWAP_LABELS, swaps, strict=False):
+        if not 1 <= i < j <= len(SWAP_LETTERS):
+            raise ValueError(f"a swap is two positions 1-{len(SWAP_LETTERS)}, first < second; got {i}{j}")
+        state[i - 1], state[j - 1] = state[j - 1], state[i - 1]
+        items.append(f"{label}{i}{j}=" + "".join(state))
+    pairs = " ".join(f"{label}{i}{j}" for label, (i, j) in zip(SWAP_LABELS, swaps, strict=False))
+    key = letters + ":" + "".join(f"{i}{j}" for i, j in swaps)
+    return Problem("swap", key, f"swap {letters} {pairs}", ",".join(items))
+
+
 def _operand(rng: random.Random, digits: int) -> int:
     return rng.randint(10 ** (digits - 1) if digits > 1 else 0, 10 ** digits - 1)
 
@@ -141,7 +182,30 @@ def make_problem(kind: str, rng: random.Random) -> Problem:
     if kind == "running":
         count = rng.randint(RUNNING_MIN_TERMS, len(RUNNING_LABELS))
         return running_problem([rng.randint(0, 9) for _ in range(count)])
+    if kind == "swap":
+        letters = "".join(rng.sample(SWAP_LETTERS, len(SWAP_LETTERS)))
+        count = rng.randint(SWAP_MIN, len(SWAP_LABELS))
+        positions = range(1, len(SWAP_LETTERS) + 1)
+        return swap_problem(letters, [tuple(sorted(rng.sample(positions, 2))) for _ in range(count)])
     raise ValueError(f"unknown task kind {kind!r}; known: {', '.join(KINDS)}")
+
+
+def parse_mix(text: str) -> dict[str, float]:
+    """"add=0.2,sub=0.2,running=0.3,swap=0.3" -> the mix (weights need not sum to 1)."""
+    mix: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        kind, sep, weight = part.partition("=")
+        if not sep or kind not in KINDS:
+            raise ValueError(f"a mix is KIND=WEIGHT,... with kinds {', '.join(KINDS)}; got {part!r}")
+        try:
+            mix[kind] = float(weight)
+        except ValueError:
+            raise ValueError(f"the weight of {kind!r} must be a number, got {weight!r}") from None
+        if mix[kind] <= 0:
+            raise ValueError(f"the weight of {kind!r} must be positive, got {weight!r}")
+    if not mix:
+        raise ValueError("a mix needs at least one KIND=WEIGHT")
+    return mix
 
 
 def problems(seed: int, split: str, mix: Optional[dict[str, float]] = None) -> Iterator[Problem]:
