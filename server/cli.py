@@ -616,6 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
         "max_extra_fill": (int, "most end tokens after the longest response"),
         "prefix_mask_share": (float, "share of examples masked only after a random cut in the canvas"),
         "plain_prompt_share": (float, "share of examples prompted with the bare problem text, not the chat template"),
+        "init_from": (str, "start from this checkpoint's weights (same shapes) instead of random ones"),
     }
     choices = {"arch": ("llada", "dream"), "optimizer": OPTIMIZERS}
     tr.add_argument("--out", required=True, help="the checkpoint directory to write")

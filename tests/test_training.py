@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -99,6 +100,18 @@ def test_prefix_masking_keeps_a_response_prefix_visible():
 def test_prefix_mask_share_is_validated():
     with pytest.raises(ValueError, match="prefix_mask_share"):
         TrainConfig(prefix_mask_share=1.5)
+
+
+def test_init_from_starts_at_a_checkpoints_weights(tmp_path):
+    first = _small("llada", 2)
+    train(first, tmp_path / "first", progress=False)
+    trained = load_model(tmp_path / "first")
+    train(replace(first, steps=0, init_from=str(tmp_path / "first")), tmp_path / "second", progress=False)
+    again = load_model(tmp_path / "second")
+    for (name, a), (_, b) in zip(trained.state_dict().items(), again.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="dream"):
+        train(replace(_small("dream", 0), init_from=str(tmp_path / "first")), tmp_path / "third", progress=False)
 
 
 def test_mix_is_validated_and_reaches_the_cli():

@@ -231,6 +231,14 @@ def train(config: TrainConfig, out: Path, resume: bool = False, max_minutes: Opt
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         log = state["log"]
+    elif config.init_from:
+        from engine import load_model
+
+        start = load_model(config.init_from)
+        if start.config.architecture != config.arch:
+            raise ValueError(f"--init-from {config.init_from} is a {start.config.architecture} checkpoint, "
+                             f"not {config.arch}")
+        model.load_state_dict(start.state_dict())  # raises on any shape that differs
     model.train()
     started = time.perf_counter() - log["seconds"]
     bar = tqdm(total=config.steps, initial=log["step"], disable=not progress, desc=f"train {config.arch}",

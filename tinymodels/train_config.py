@@ -52,6 +52,9 @@ class TrainConfig:
     plain_prompt_share: float = 0.5
     optimizer: str = "adamw"  # or "muon" (tinymodels/optim.py)
     mix: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_MIX))
+    # Start from this checkpoint's weights (same shapes) instead of random ones: a short look at a
+    # new task mix on a model that knows the old one. The built-in models are trained from scratch.
+    init_from: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.arch not in ("llada", "dream"):
