@@ -212,7 +212,14 @@ def _train(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from engine import Engine, EngineConfig
     from engine.errors import CheckpointError, DeviceError
-    from tinymodels.evaluate import EvalConfig, default_configs, evaluate, format_table, hardware, held_out_problems
+    from tinymodels.evaluate import (
+        default_configs,
+        evaluate,
+        format_kind_table,
+        format_table,
+        hardware,
+        held_out_problems,
+    )
 
     try:
         engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
@@ -222,13 +229,11 @@ def _eval(args: argparse.Namespace) -> int:
         return 2
     configs = default_configs(engine.architecture, args.gen_length, args.block_length)
     if args.configs:
-        wanted = [c.strip() for c in args.configs.split(";") if c.strip()]
-        by_name = {c.name: c for c in configs}
-        unknown = [w for w in wanted if w not in by_name and not w.startswith("{")]
-        if unknown:
-            print(f"error: unknown configuration {unknown[0]!r}; known: {'; '.join(by_name)}", file=sys.stderr)
+        try:
+            configs = _chosen_configs(args.configs, configs, args.gen_length)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
             return 2
-        configs = [by_name[w] if w in by_name else EvalConfig(w, json.loads(w)) for w in wanted]
     from tqdm import tqdm
 
     problems = held_out_problems(args.n, args.seed, args.mix)
@@ -242,6 +247,8 @@ def _eval(args: argparse.Namespace) -> int:
                            progress=lambda r: bar.write(f"  {r.name}: {100 * r.correct / max(1, r.n):.1f}% in "
                                                         f"{r.seconds:.1f}s", file=sys.stderr))
     print(format_table(reports))
+    print()
+    print(format_kind_table(reports))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "n": args.n, "seed": args.seed, "prompt_form": args.prompt_form,
@@ -249,6 +256,36 @@ def _eval(args: argparse.Namespace) -> int:
                        "hardware": hardware(),
                        "batch_size": args.batch_size, "configs": [r.as_dict() for r in reports]}, f, indent=1)
     return 0
+
+
+def _chosen_configs(spec: str, known: list, gen_length: int) -> list:
+    """`--configs`: names of the default rows, JSON objects of knobs, or profile:FILE (a decoding
+    profile, e.g. one `cai-dllm calibrate` wrote); the last two on the --gen-length canvas unless they
+    set their own."""
+    from engine.decoding.profiles import ProfileError, load_profile
+    from tinymodels.evaluate import EvalConfig
+
+    by_name = {c.name: c for c in known}
+    chosen = []
+    for entry in filter(None, (c.strip() for c in spec.split(";"))):
+        if entry in by_name:
+            chosen.append(by_name[entry])
+        elif entry.startswith("profile:"):
+            try:
+                profile = load_profile(entry.removeprefix("profile:"))
+            except ProfileError as err:
+                raise ValueError(str(err)) from None
+            chosen.append(EvalConfig(f"profile {profile.name}", {"gen_length": gen_length, **profile.decoding}))
+        elif entry.startswith("{"):
+            try:
+                knobs = json.loads(entry)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"configuration {entry!r} is not valid JSON: {err}") from None
+            chosen.append(EvalConfig(entry, {"gen_length": gen_length, **knobs}))
+        else:
+            raise ValueError(f"unknown configuration {entry!r}; known: {'; '.join(by_name)}, a JSON object of "
+                             f"knobs, or profile:FILE")
+    return chosen
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -492,7 +529,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="chat: the chat template (as /v1/chat/completions); plain: the bare problem text "
                          "(as /v1/completions)")
     _add_engine_flags(ev, ("max_batch",), max_batch="batch_size")
-    ev.add_argument("--configs", help="';'-separated configuration names, or JSON objects of decoding knobs")
+    ev.add_argument("--configs", help="';'-separated: configuration names, JSON objects of decoding knobs, or "
+                                      "profile:FILE (a decoding profile, e.g. from `cai-dllm calibrate`)")
     ev.add_argument("--gen-length", type=int, default=128, help="generation canvas of every configuration")
     ev.add_argument("--block-length", type=int, default=32, help="block length of every configuration")
     _add_engine_flags(ev, ("device", "dtype"))

@@ -71,12 +71,16 @@ def test_evaluation_harness_on_the_model(name):
 def test_eval_cli_small_n(tmp_path):
     out = tmp_path / "eval.json"
     cmd = [sys.executable, "-m", "server.cli", "eval", "--model", str(MODELS / "llada-tiny"), "--n", "16",
-           "--configs", "fixed+exit;threshold 0.9 dual (Fast-dLLM);CAI full, gate on +exit", "--json", str(out)]
+           "--configs", "fixed+exit;threshold 0.9 dual (Fast-dLLM);CAI full, gate on +exit;"
+                        f"profile:{MODELS / 'llada-tiny' / 'calibrated_profile.json'}", "--json", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert "| CAI full, gate on +exit" in run.stdout
+    assert "| CAI full, gate on +exit" in run.stdout and "| profile calibrated " in run.stdout
+    assert "| configuration                    | add | running | sub |" in run.stdout  # accuracy by kind
     report = json.loads(out.read_text())
-    assert report["n"] == 16 and len(report["configs"]) == 3
+    assert report["n"] == 16 and len(report["configs"]) == 4
+    knobs = json.loads((MODELS / "llada-tiny" / "calibrated_profile.json").read_text())["decoding"]
+    assert report["configs"][3]["params"] == {"gen_length": 128, **knobs}
     for config in report["configs"]:
         assert {"accuracy", "accuracy_95ci", "nfe_per_request", "nfe_per_generated_token", "steps_saved_pct",
                 "generated_tokens_per_s", "accuracy_by_kind", "unparsed"} <= set(config)
@@ -88,3 +92,6 @@ def test_eval_cli_rejects_unknown_config():
            "--configs", "nonsense"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "unknown configuration" in run.stderr
+    cmd[-1] = "profile:/nonexistent.json"
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "cannot read decoding profile /nonexistent.json" in run.stderr

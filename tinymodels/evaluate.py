@@ -186,6 +186,17 @@ def held_out_problems(n: int, seed: int, mix: Optional[dict[str, float]] = None)
     return sample(n, seed, split="eval", mix=mix)
 
 
+def format_kind_table(reports: Sequence[ConfigReport]) -> str:
+    """Accuracy by task kind, one row per configuration."""
+    kinds = sorted({kind for r in reports for kind in r.by_kind})
+    lines = [f"| {'configuration':32s} | " + " | ".join(kinds) + " |", "|" + "---|" * (len(kinds) + 1)]
+    for r in reports:
+        cells = [f"{100 * r.by_kind[k][0] / r.by_kind[k][1]:.1f}% of {r.by_kind[k][1]}" if k in r.by_kind else "–"
+                 for k in kinds]
+        lines.append(f"| {r.name:32s} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def format_table(reports: Sequence[ConfigReport]) -> str:
     header = (f"| {'configuration':32s} | accuracy (95% CI) | NFE/req | NFE/req content | NFE/token | "
               f"steps saved | tok/s | unparsed |")
