@@ -31,11 +31,9 @@ def test_checksums_match_the_docs(name):
     assert digest in doc
 
 
-# Held-out problems of every kind (tinymodels.tasks: the eval split), answered in both prompt forms
-# with the fixed decoder; the answers come from the independent checker. Only the models trained on
-# the v2 task family: dream-tiny is still the v1 model (docs/models.md) until it is retrained.
+# Held-out problems of every kind the models learned (tinymodels.tasks: the eval split), answered in
+# both prompt forms with the fixed decoder; the answers come from the independent checker.
 HELD_OUT_EXAMPLES = [("add", "00453+31982"), ("sub", "89420-08652"), ("running", "sum a3 b5 c2 d1 e5 f3 g0")]
-TRAINED_ON_V2 = [name for name in BUILTIN if name == "llada-tiny"]
 
 
 def test_the_examples_are_held_out_and_cover_every_kind():
@@ -45,7 +43,7 @@ def test_the_examples_are_held_out_and_cover_every_kind():
         assert problem.kind == kind and split_of(problem.kind, problem.key) == "eval"
 
 
-@pytest.mark.parametrize("name", TRAINED_ON_V2)
+@pytest.mark.parametrize("name", BUILTIN)
 @pytest.mark.parametrize("form", PROMPT_FORMS)
 def test_held_out_problems_are_answered_through_both_prompt_forms(name, form):
     engine = Engine(EngineConfig(model=str(MODELS / name), max_batch=len(HELD_OUT_EXAMPLES)))
