@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:  # torch-free at import: `--help` answers at once
+    from tinymodels.evaluate import EvalConfig
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -220,6 +223,7 @@ def _eval(args: argparse.Namespace) -> int:
         hardware,
         held_out_problems,
     )
+    from tinymodels.tasks import format_mix
 
     try:
         engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
@@ -237,7 +241,7 @@ def _eval(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     problems = held_out_problems(args.n, args.seed, args.mix)
-    mix = "" if args.mix is None else ", mix " + ",".join(f"{k}={w:g}" for k, w in args.mix.items())
+    mix = "" if args.mix is None else ", mix " + format_mix(args.mix)
     print(f"# {args.n} held-out problems (seed {args.seed}, {args.prompt_form} prompts{mix}) on {hardware()}, "
           f"model {args.model}", flush=True)
     # one bar over configurations x problems, with its rate and ETA; each configuration's line above it
@@ -258,7 +262,7 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _chosen_configs(spec: str, known: list, gen_length: int) -> list:
+def _chosen_configs(spec: str, known: list[EvalConfig], gen_length: int) -> list[EvalConfig]:
     """`--configs`: names of the default rows, JSON objects of knobs, or profile:FILE (a decoding
     profile, e.g. one `cai-dllm calibrate` wrote); the last two on the --gen-length canvas unless they
     set their own."""
@@ -637,6 +641,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help="train a built-in tiny model on the task family",
                         description="Flags left out take the built-in recipe: the defaults of "
                                     "tinymodels.train_config.TrainConfig (docs/models.md).")
+    from tinymodels.tasks import format_mix
     from tinymodels.train_config import OPTIMIZERS, TrainConfig
 
     recipe = TrainConfig()
@@ -661,8 +666,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (kind, text) in train_flags.items():
         tr.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(recipe, name), help=text,
                         choices=choices.get(name))
-    tr.add_argument("--mix", type=_task_mix, help="task kinds and their weights, KIND=WEIGHT,... "
-                                                  f"(default: {','.join(f'{k}={w:g}' for k, w in recipe.mix.items())})")
+    tr.add_argument("--mix", type=_task_mix, help=f"task kinds and their weights, KIND=WEIGHT,... "
+                                                  f"(default: {format_mix(recipe.mix)})")
     tr.add_argument("--device", default="cpu", help="where the arithmetic runs (examples and masks are the same)")
     tr.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     tr.add_argument("--max-minutes", type=float, help="stop (and save) after this long (default: no limit)")

@@ -190,22 +190,31 @@ def make_problem(kind: str, rng: random.Random) -> Problem:
     raise ValueError(f"unknown task kind {kind!r}; known: {', '.join(KINDS)}")
 
 
+def check_mix(mix: dict[str, float]) -> None:
+    """A mix names known kinds with positive weights (they need not sum to 1)."""
+    unknown = [kind for kind in mix if kind not in KINDS]
+    if unknown or not mix or any(weight <= 0 for weight in mix.values()):
+        raise ValueError(f"a task mix needs positive weights of kinds among {', '.join(KINDS)}, got {mix}")
+
+
 def parse_mix(text: str) -> dict[str, float]:
-    """"add=0.2,sub=0.2,running=0.3,swap=0.3" -> the mix (weights need not sum to 1)."""
+    """"add=0.2,sub=0.2,running=0.3,swap=0.3" -> the mix."""
     mix: dict[str, float] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         kind, sep, weight = part.partition("=")
-        if not sep or kind not in KINDS:
-            raise ValueError(f"a mix is KIND=WEIGHT,... with kinds {', '.join(KINDS)}; got {part!r}")
+        if not sep:
+            raise ValueError(f"a task mix is KIND=WEIGHT,... with kinds {', '.join(KINDS)}; got {part!r}")
         try:
             mix[kind] = float(weight)
         except ValueError:
             raise ValueError(f"the weight of {kind!r} must be a number, got {weight!r}") from None
-        if mix[kind] <= 0:
-            raise ValueError(f"the weight of {kind!r} must be positive, got {weight!r}")
-    if not mix:
-        raise ValueError("a mix needs at least one KIND=WEIGHT")
+    check_mix(mix)
     return mix
+
+
+def format_mix(mix: dict[str, float]) -> str:
+    """The inverse of parse_mix."""
+    return ",".join(f"{kind}={weight:g}" for kind, weight in mix.items())
 
 
 def problems(seed: int, split: str, mix: Optional[dict[str, float]] = None) -> Iterator[Problem]:

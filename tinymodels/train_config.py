@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from tinymodels.tasks import DEFAULT_MIX, KINDS
+from tinymodels.tasks import DEFAULT_MIX, check_mix
 
 OPTIMIZERS = ("adamw", "muon")
 
@@ -67,8 +67,6 @@ class TrainConfig:
             raise ValueError(f"prefix_mask_share must be in [0, 1], got {self.prefix_mask_share}")
         if not 0.0 <= self.plain_prompt_share <= 1.0:
             raise ValueError(f"plain_prompt_share must be in [0, 1], got {self.plain_prompt_share}")
-        unknown = [kind for kind in self.mix if kind not in KINDS]
-        if unknown or not self.mix or any(weight <= 0 for weight in self.mix.values()):
-            raise ValueError(f"mix needs positive weights of kinds among {', '.join(KINDS)}, got {self.mix}")
+        check_mix(self.mix)
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
