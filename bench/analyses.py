@@ -29,7 +29,7 @@ import torch
 from engine import Engine, EngineConfig
 from engine.chat import chat_prompt_ids
 from engine.decoding.policies import CONF_HIGH, CONF_LOW
-from tinymodels.evaluate import EvalConfig, dual_cache_refresh, evaluate, hardware, held_out_problems
+from tinymodels.evaluate import EvalConfig, dual_cache_refresh, evaluate, hardware, held_out_problems, model_mix
 from tinymodels.tasks import parse_mix
 
 BANDS = ("> 0.5", "0.25 – 0.5", "< 0.25")
@@ -198,7 +198,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, default=8, help="rows decoded together")
     parser.add_argument("--mix", type=parse_mix, help="task kinds and weights, KIND=WEIGHT,... (default: "
-                                                      "tinymodels.tasks.DEFAULT_MIX)")
+                                                      "the model's training mix, tinymodels.evaluate.model_mix)")
     # v2's answers are 41-97 characters: at 32 no held-out problem fits (v1's sweep was 32 / 64 / 128)
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 96, 128],
                         help="generation lengths of the sweep (each a multiple of 32 or at most 32)")
@@ -206,11 +206,12 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     engine = Engine(EngineConfig(model=args.model, device=args.device, max_batch=args.batch_size))
     name = Path(args.model).name
-    problems = held_out_problems(args.n, args.seed, args.mix)
+    mix = args.mix or model_mix(args.model)
+    problems = held_out_problems(args.n, args.seed, mix)
     started = time.perf_counter()
     out = args.out / name
     out.mkdir(parents=True, exist_ok=True)
-    report = {"model": args.model, "n": args.n, "seed": args.seed, "mix": args.mix, "hardware": hardware(),
+    report = {"model": args.model, "n": args.n, "seed": args.seed, "mix": mix, "hardware": hardware(),
               "confidence_vs_stabilization": confidence_vs_stabilization(engine, problems, 128, 32, out),
               "steps_saved_per_block": steps_saved_per_block(engine, problems, 128, 32, out, engine.architecture),
               "generation_length_sweep": generation_length_sweep(engine, problems, out, engine.architecture,

@@ -222,6 +222,7 @@ def _eval(args: argparse.Namespace) -> int:
         format_table,
         hardware,
         held_out_problems,
+        model_mix,
     )
     from tinymodels.tasks import format_mix
 
@@ -240,10 +241,10 @@ def _eval(args: argparse.Namespace) -> int:
             return 2
     from tqdm import tqdm
 
-    problems = held_out_problems(args.n, args.seed, args.mix)
-    mix = "" if args.mix is None else ", mix " + format_mix(args.mix)
-    print(f"# {args.n} held-out problems (seed {args.seed}, {args.prompt_form} prompts{mix}) on {hardware()}, "
-          f"model {args.model}", flush=True)
+    mix = args.mix or model_mix(args.model)
+    problems = held_out_problems(args.n, args.seed, mix)
+    print(f"# {args.n} held-out problems (seed {args.seed}, {args.prompt_form} prompts, mix {format_mix(mix)}) on "
+          f"{hardware()}, model {args.model}", flush=True)
     # one bar over configurations x problems, with its rate and ETA; each configuration's line above it
     with tqdm(total=len(configs) * len(problems), unit="problem", file=sys.stderr, dynamic_ncols=True) as bar:
         reports = evaluate(engine, problems, configs, batch_size=args.batch_size, on_problem=lambda: bar.update(),
@@ -256,7 +257,7 @@ def _eval(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "n": args.n, "seed": args.seed, "prompt_form": args.prompt_form,
-                       "mix": args.mix,
+                       "mix": mix,
                        "hardware": hardware(),
                        "batch_size": args.batch_size, "configs": [r.as_dict() for r in reports]}, f, indent=1)
     return 0
@@ -303,7 +304,9 @@ def _calibrate(args: argparse.Namespace) -> int:
             items = load_items(args.data, args.n)
             grader_name = args.grader or "exact"
         else:
-            items = builtin_items(args.n, args.seed, args.mix)
+            from tinymodels.evaluate import model_mix
+
+            items = builtin_items(args.n, args.seed, args.mix or model_mix(args.model))
             grader_name = args.grader or BUILTIN
         grader = make_grader(grader_name)
         engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
@@ -349,8 +352,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0 if result.feasible else 1
 
 
-_MIX_HELP = ("built-in task kinds and their weights, KIND=WEIGHT,... (default: the mix the built-in models "
-             "were trained on, tinymodels.tasks.DEFAULT_MIX)")
+_MIX_HELP = ("built-in task kinds and their weights, KIND=WEIGHT,... (default: the mix the model was trained "
+             "on, from its training_log.json; tinymodels.tasks.DEFAULT_MIX without one)")
 
 
 def _task_mix(raw: str) -> dict[str, float]:

@@ -176,3 +176,17 @@ def test_tokenizer_files_and_chat_template(tmp_path):
     from engine.special_tokens import added_token_ids, end_of_turn_id
 
     assert end_of_turn_id(tok_config, added_token_ids(tok_config, special_only=True)) == chars.special_id(chars.END)
+
+
+def test_a_model_is_evaluated_on_the_mix_its_training_log_records(tmp_path):
+    import json
+    from pathlib import Path
+
+    from tinymodels.evaluate import model_mix
+
+    (tmp_path / "training_log.json").write_text(json.dumps({"config": {"mix": SWAP_MIX}}))
+    assert model_mix(str(tmp_path)) == SWAP_MIX
+    assert model_mix(str(tmp_path / "missing")) == DEFAULT_MIX  # a checkpoint without a training log
+    for name in ("llada-tiny", "dream-tiny"):
+        model = Path(__file__).resolve().parents[1] / "models" / name
+        assert model_mix(str(model)) == json.loads((model / "training_log.json").read_text())["config"]["mix"]

@@ -12,11 +12,13 @@ that are all end tokens, steps saved against the fixed budget, and generated tok
 
 from __future__ import annotations
 
+import json
 import math
 import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -28,7 +30,7 @@ from engine.engine import Engine
 from engine.loading.tokenizer import encode_text
 from tinymodels.checker import graded_part, is_correct
 from tinymodels.prompt_forms import PROMPT_FORMS
-from tinymodels.tasks import Problem, sample
+from tinymodels.tasks import DEFAULT_MIX, Problem, sample
 
 
 @dataclass(frozen=True)
@@ -184,6 +186,19 @@ def hardware() -> str:
 
 def held_out_problems(n: int, seed: int, mix: Optional[dict[str, float]] = None) -> list[Problem]:
     return sample(n, seed, split="eval", mix=mix)
+
+
+def model_mix(model: str) -> dict[str, float]:
+    """The task mix a built-in model was trained on, as its training log records it (a model is
+    asked about the kinds it learned); DEFAULT_MIX for a checkpoint without one."""
+    try:
+        log = json.loads((Path(model) / "training_log.json").read_text())
+        mix = log["config"]["mix"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return dict(DEFAULT_MIX)
+    if not isinstance(mix, dict) or not mix:
+        return dict(DEFAULT_MIX)
+    return {str(kind): float(weight) for kind, weight in mix.items()}
 
 
 def format_kind_table(reports: Sequence[ConfigReport]) -> str:
