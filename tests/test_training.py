@@ -178,6 +178,9 @@ def test_snapshot_writes_the_saved_state_as_a_checkpoint(tmp_path):
     assert log["step"] == 10
     model = load_model(tmp_path / "snap")
     assert model.config.architecture == "dream" and (tmp_path / "snap" / "tokenizer.json").is_file()
+    from tinymodels.evaluate import model_mix
+
+    assert model_mix(str(tmp_path / "snap")) == config.mix  # a mid-run eval asks about the kinds being learned
     with pytest.raises(FileNotFoundError):
         snapshot(tmp_path / "nothing", tmp_path / "snap2")
 

@@ -208,6 +208,8 @@ def snapshot(out: Path, dest: Path) -> dict[str, Any]:
     model.load_state_dict(state["model"])
     model.eval()
     _export(model, hf, config, dest)
+    # the log goes with it: eval reads the task mix the model is learning from it
+    (dest / "training_log.json").write_text(json.dumps(state["log"], indent=1) + "\n")
     return state["log"]
 
 
