@@ -99,12 +99,12 @@ def test_position_factors_and_clipping():
 def test_budgets_paper_cases():
     # positions 0, 20, 40, 50 in a 64-block, 64 steps; cases evaluated top to bottom
     quarter = P.block_quarter(64, t(64, dtype=torch.long))[:, [0, 20, 40, 50]]
-    steps = t(64, dtype=torch.long)
-    assert P.box5_token_budget(t(0.9, 0.9, 0.9, 0.9)[None], quarter, steps)[0].tolist() == [8, 8, 32, 64]
-    assert P.box5_token_budget(t(0.1, 0.1, 0.1, 0.1)[None], quarter, steps)[0].tolist() == [64, 64, 64, 64]
-    assert P.box5_token_budget(t(0.4, 0.4, 0.4, 0.4)[None], quarter, steps)[0].tolist() == [32, 32, 32, 64]
+    tiers = P.budget_tiers(quarter, t(64, dtype=torch.long))
+    assert P.box5_token_budget(t(0.9, 0.9, 0.9, 0.9)[None], tiers)[0].tolist() == [8, 8, 32, 64]
+    assert P.box5_token_budget(t(0.1, 0.1, 0.1, 0.1)[None], tiers)[0].tolist() == [64, 64, 64, 64]
+    assert P.box5_token_budget(t(0.4, 0.4, 0.4, 0.4)[None], tiers)[0].tolist() == [32, 32, 32, 64]
     # s exactly 0.5 is not > 0.5; s exactly 0.25 is not < 0.25
-    assert P.box5_token_budget(t(0.5, 0.25, 0.51, 0.51)[None], quarter, steps)[0].tolist() == [32, 32, 32, 64]
+    assert P.box5_token_budget(t(0.5, 0.25, 0.51, 0.51)[None], tiers)[0].tolist() == [32, 32, 32, 64]
 
 
 def test_budgets_scale_with_steps_per_block():

@@ -86,12 +86,75 @@ def test_rows_in_slot_order_decide_as_gathered_rows(llada_model):
         for flag, decode_state in states.items():
             step_rows = dataclasses.replace(rows, in_slot_order=flag, fields=rows.fields.clone())
             step_rows.fields[:, STEP_FIELDS.index("step")] = step
+            step_rows.fields[:, STEP_FIELDS.index("schedule_step")] = step  # every row is in its first block
             out[flag] = decide_step(decode_state, step_rows, logits, blocks[flag], torch.ones(4, 8, dtype=torch.bool),
                                     mask_id, end_ids)
             blocks[flag] = out[flag][0]
         assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
         assert torch.equal(states[True].first_conf, states[False].first_conf)
         assert torch.equal(states[True].low_yield, states[False].low_yield)
+
+
+def test_cai_reads_its_tabulated_schedule_as_cai_step_computes_it(llada_model):
+    """The engine tabulates theta_b(t), the quarters and Box 5's tiers once per request; at any
+    block and step, with any stored s_i and counter, it commits what `cai_step` decides from scratch."""
+    from engine.decoding import policies as P
+    from engine.decoding.decide import (
+        _BOOL_KNOBS,
+        _FLOAT_KNOBS,
+        _INT_KNOBS,
+        DecodeState,
+        StepRows,
+        cai_knobs,
+        decide_step,
+    )
+    from engine.decoding.sampling import confidence, predict
+
+    params = [DecodeParams(policy="cai", gen_length=64, block_length=16, steps=64),
+              DecodeParams(policy="cai", gen_length=128, block_length=16, steps=64, gating=True,
+                           block_schedule_mode="stretch"),
+              DecodeParams(policy="cai", gen_length=32, block_length=32, steps=32, position_factors=False,
+                           theta_s=0.95),
+              DecodeParams(policy="cai", gen_length=64, block_length=8, steps=32, gating=True, warmup=0.5,
+                           theta_e=0.3)]
+    engine = Engine.from_model(llada_model, max_batch=4)
+    for i, p in enumerate(params):
+        engine.add_request([1 + i, 2, 3], p)
+    _, admitted = engine.scheduler.schedule()
+    state = DecodeState(4, llada_model.device)
+    for request in admitted:
+        state.admit(request)
+    requests = engine.scheduler.running
+    width, mask_id = 32, llada_model.special.mask_id
+    lengths = torch.tensor([r.block_length for r in requests])
+    in_block = torch.arange(width)[None, :] < lengths[:, None]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        for r in requests:
+            r.block = int(torch.randint(r.num_blocks, (1,), generator=generator))
+            r.step = int(torch.randint(r.steps_per_block, (1,), generator=generator))
+        rows = StepRows.build(requests, llada_model.device)
+        logits = torch.randn(4, width, llada_model.config.vocab_size, generator=generator) * 3
+        done = torch.rand(4, width, generator=generator) < 0.3
+        block_tokens = torch.where(done, 5, mask_id)
+        state.first_conf[:, :width] = torch.rand(4, width, generator=generator)
+        state.low_yield[:] = torch.randint(0, 3, (4,), generator=generator)
+        stored, counter = state.first_conf[:, :width].clone(), state.low_yield.clone()
+        new_tokens, _ = decide_step(state, rows, logits, block_tokens, in_block, mask_id,
+                                    torch.tensor(llada_model.special.end_ids))
+
+        x0 = predict(logits, [], mask_id)
+        conf = confidence(logits, x0, torch.zeros(4, dtype=torch.long), {0})
+        candidates = (block_tokens == mask_id) & in_block
+        step, block = rows.column("step"), rows.column("block")
+        i = dict(zip(_INT_KNOBS, state.knobs_i.unbind(1), strict=True))
+        knobs = cai_knobs(dict(zip(_FLOAT_KNOBS, state.knobs_f.unbind(1), strict=True)), i,
+                          dict(zip(_BOOL_KNOBS, state.knobs_b.unbind(1), strict=True)))
+        expected = P.cai_step(conf, candidates, step, i["steps_per_block"], block, i["num_blocks"], i["block_length"],
+                              P.CaiState(P.box2_first_step_confidence(conf, stored, step), counter), knobs)
+        assert torch.equal(new_tokens != block_tokens, expected.commit)
+        assert torch.equal(state.low_yield, expected.low_yield)
+        assert rows.column("schedule_step").tolist() == [r.block * r.steps_per_block + r.step for r in requests]
 
 
 def test_the_mask_token_is_never_predicted():

@@ -15,6 +15,7 @@ scheduler transfers to the host once. `decide_tensors` is the whole step as a fu
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -73,15 +74,17 @@ def _bool_knobs(request: Request) -> list[bool]:
 
 
 # Per-step values that change as a row advances, sent to the device as one [B, k] tensor.
+# schedule_step: the row's step counted from its first block's first step, where it reads its
+# tabulated theta_b(t) (DecodeState.theta_schedule).
 STEP_FIELDS = ("slot", "step", "block", "block_start", "quota", "commit_first_only", "block_length", "length",
-                "prompt_len")
+                "prompt_len", "schedule_step")
 
 
 def step_fields(request: Request) -> list[int]:
     return [request.slot, request.step, request.block, request.block_start,
             request.rank_quota() if POLICIES[request.policy].family == P.FAMILY_RANK else 0,
             int(request.params.commit_first_at_block_start and request.step == 0), request.block_length,
-            request.length, request.prompt_len]
+            request.length, request.prompt_len, request.block * request.steps_per_block + request.step]
 
 
 # -------------------------------------------------------------------------------------- registry
@@ -101,6 +104,25 @@ class Batch:
     b: dict[str, torch.Tensor]  # boolean knobs by name
     first_conf: torch.Tensor  # [B, W] Box 2's s_i as stored so far
     low_yield: torch.Tensor  # [B]
+    schedule: Optional[CaiSchedule]  # when a row of the step decodes with CAI
+
+
+@dataclass(frozen=True)
+class CaiSchedule:
+    """What CAI reads at a step that depends on a row's request, block and step alone, tabulated
+    when the request takes its slot (DecodeState.admit) and gathered for the step's rows."""
+
+    theta_block: torch.Tensor  # [B] theta_b(t), Boxes 3-4
+    quarter: torch.Tensor  # [B, W] quarter of the block of each position (Boxes 5-6)
+    tiers: P.BudgetTiers  # Box 5's budgets by confidence case
+
+
+def cai_knobs(f: dict[str, torch.Tensor], i: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> P.CaiKnobs:
+    return P.CaiKnobs(theta_s=f["theta_s"], theta_e=f["theta_e"], warmup=f["warmup"],
+                      block_schedule=b["block_schedule"], block_decay=f["block_decay"], stretch=b["stretch"],
+                      position_factors=b["position_factors"], budgets=b["budgets"], grinding=b["grinding"],
+                      eta=f["eta"], eta_denominator=f["eta_denominator"], patience=i["patience"],
+                      theta_fb=f["theta_fb"], grinding_fill=b["grinding_fill"], min_commit=i["min_commit"])
 
 
 @dataclass
@@ -127,16 +149,13 @@ def decide_threshold(batch: Batch) -> Decision:
 
 
 def decide_cai(batch: Batch) -> Decision:
-    """CAI, Algorithm 1 (policies.cai_step)."""
-    f, i, b = batch.f, batch.i, batch.b
+    """CAI, Algorithm 1 (policies.cai_step, with its per-request part tabulated: CaiSchedule)."""
+    schedule = batch.schedule
+    assert schedule is not None, "a CAI row's step gathers its schedule (decide_step)"
     first_conf = P.box2_first_step_confidence(batch.conf, batch.first_conf, batch.step)
-    knobs = P.CaiKnobs(theta_s=f["theta_s"], theta_e=f["theta_e"], warmup=f["warmup"],
-                       block_schedule=b["block_schedule"], block_decay=f["block_decay"], stretch=b["stretch"],
-                       position_factors=b["position_factors"], budgets=b["budgets"], grinding=b["grinding"],
-                       eta=f["eta"], eta_denominator=f["eta_denominator"], patience=i["patience"],
-                       theta_fb=f["theta_fb"], grinding_fill=b["grinding_fill"], min_commit=i["min_commit"])
-    out = P.cai_step(batch.conf, batch.candidates, batch.step, i["steps_per_block"], batch.block, i["num_blocks"],
-                     i["block_length"], P.CaiState(first_conf=first_conf, low_yield=batch.low_yield), knobs)
+    out = P.cai_commit(batch.conf, batch.candidates, batch.step, batch.i["steps_per_block"], schedule.theta_block,
+                       schedule.quarter, schedule.tiers, P.CaiState(first_conf=first_conf, low_yield=batch.low_yield),
+                       cai_knobs(batch.f, batch.i, batch.b))
     return Decision(out.commit, out.forced, first_conf, out.low_yield, out.grinding_exit)
 
 
@@ -176,18 +195,70 @@ class DecodeState:
         self.knobs_b = torch.zeros(max_batch, len(_BOOL_KNOBS), dtype=torch.bool, device=device)
         self.first_conf = torch.zeros(max_batch, self.width, device=device)
         self.low_yield = torch.zeros(max_batch, dtype=torch.long, device=device)
+        # CAI's per-request tables (CaiSchedule), so that a step computes none of it. Past a row's
+        # block, positions are never candidates: what the tables hold there is never read.
+        self.theta_schedule = torch.zeros(max_batch, 1, device=device)  # [slot, block * T + t]
+        self.quarter = torch.zeros(max_batch, self.width, dtype=torch.long, device=device)
+        self.tier_confident = torch.zeros(max_batch, self.width, dtype=torch.long, device=device)
+        self.tier_middle = torch.zeros(max_batch, self.width, dtype=torch.long, device=device)
+        self.tier_unsure = torch.zeros(max_batch, 1, dtype=torch.long, device=device)
 
     def admit(self, request: Request) -> None:
-        """Write a request's knobs into its slot (host-to-device, once per request)."""
+        """Write a request's knobs and CAI tables into its slot (host-to-device, once per request)."""
         if request.block_length > self.width:
-            grown = torch.zeros(self.first_conf.shape[0], request.block_length, device=self.device)
-            grown[:, :self.width] = self.first_conf
-            self.first_conf, self.width = grown, request.block_length
+            self.first_conf, self.quarter, self.tier_confident, self.tier_middle = (
+                _widened(t, request.block_length)
+                for t in (self.first_conf, self.quarter, self.tier_confident, self.tier_middle))
+            self.width = request.block_length
+        total_steps = request.num_blocks * request.steps_per_block
+        if total_steps > self.theta_schedule.shape[1]:
+            self.theta_schedule = _widened(self.theta_schedule, total_steps)
         slot = request.slot
-        self.knobs_f[slot] = torch.tensor(_float_knobs(request), dtype=torch.float32).to(self.device)
-        self.knobs_i[slot] = torch.tensor(_int_knobs(request), dtype=torch.long).to(self.device)
-        self.knobs_b[slot] = torch.tensor(_bool_knobs(request), dtype=torch.bool).to(self.device)
+        floats, ints, bools = _float_knobs(request), _int_knobs(request), _bool_knobs(request)
+        theta, quarter, confident, middle, unsure = _cai_tables(tuple(floats), tuple(ints), tuple(bools),
+                                                                 total_steps)
+        width = request.block_length
+        device = self.device
+        self.knobs_f[slot] = torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True)
+        self.knobs_i[slot] = torch.tensor(ints, dtype=torch.long).to(device, non_blocking=True)
+        self.knobs_b[slot] = torch.tensor(bools, dtype=torch.bool).to(device, non_blocking=True)
         self.low_yield[slot] = 0
+        self.theta_schedule[slot, :total_steps] = theta.to(device, non_blocking=True)
+        self.quarter[slot, :width] = quarter.to(device, non_blocking=True)
+        self.tier_confident[slot, :width] = confident.to(device, non_blocking=True)
+        self.tier_middle[slot, :width] = middle.to(device, non_blocking=True)
+        self.tier_unsure[slot] = unsure.to(device, non_blocking=True)
+
+    def cai_schedule(self, rows: StepRows, rows_of: slice | torch.Tensor, width: int) -> CaiSchedule:
+        """The step's rows' CaiSchedule: gathers only."""
+        theta_block = self.theta_schedule[rows.column("slot"), rows.column("schedule_step")]
+        return CaiSchedule(theta_block, self.quarter[rows_of, :width],
+                           P.BudgetTiers(self.tier_confident[rows_of, :width], self.tier_middle[rows_of, :width],
+                                         self.tier_unsure[rows_of]))
+
+
+@functools.lru_cache(maxsize=64)
+def _cai_tables(floats: tuple[float, ...], ints: tuple[int, ...], bools: tuple[bool, ...],
+                total_steps: int) -> tuple[torch.Tensor, ...]:
+    """A request's CaiSchedule tables, on the host: theta_b(t) for every (block, step) [total_steps],
+    its block's quarters and Box 5's tiers [block_length] and its largest budget [1]. Requests with
+    the same knobs share them (a server's requests mostly do), so admitting one is a few copies."""
+    f = {name: torch.tensor([v], dtype=torch.float32) for name, v in zip(_FLOAT_KNOBS, floats, strict=True)}
+    i = {name: torch.tensor([v], dtype=torch.long) for name, v in zip(_INT_KNOBS, ints, strict=True)}
+    b = {name: torch.tensor([v], dtype=torch.bool) for name, v in zip(_BOOL_KNOBS, bools, strict=True)}
+    steps_per_block = i["steps_per_block"]
+    every_step = torch.arange(total_steps)
+    theta = P.block_threshold(every_step % steps_per_block, steps_per_block, every_step // steps_per_block,
+                              i["num_blocks"], cai_knobs(f, i, b))
+    quarter = P.block_quarter(ints[_INT_KNOBS.index("block_length")], i["block_length"])
+    tiers = P.budget_tiers(quarter, steps_per_block)
+    return theta, quarter[0], tiers.confident[0], tiers.middle[0], tiers.unsure[0]
+
+
+def _widened(table: torch.Tensor, width: int) -> torch.Tensor:
+    grown = torch.zeros(table.shape[0], width, dtype=table.dtype, device=table.device)
+    grown[:, :table.shape[1]] = table
+    return grown
 
 
 @dataclass
@@ -205,6 +276,10 @@ class StepRows:
     commit_first: bool
     logprob_k: int  # top alternatives to report (the most any row asks); -1: no row wants logprobs
     in_slot_order: bool  # row b holds slot b: slot-indexed state is read and written as slices
+    columns: tuple[torch.Tensor, ...] = ()  # fields' columns, as views made once (fields.unbind(1))
+
+    def __post_init__(self) -> None:
+        self.columns = self.fields.unbind(1)
 
     @classmethod
     def build(cls, requests: Sequence[Request], device: torch.device) -> StepRows:
@@ -222,7 +297,7 @@ class StepRows:
                    in_slot_order=all(r.slot == b for b, r in enumerate(requests)))
 
     def column(self, name: str) -> torch.Tensor:
-        return self.fields[:, STEP_FIELDS.index(name)]
+        return self.columns[STEP_FIELDS.index(name)]
 
 
 def decide_step(state: DecodeState, rows: StepRows, logits: torch.Tensor, block_tokens: torch.Tensor,
@@ -234,10 +309,12 @@ def decide_step(state: DecodeState, rows: StepRows, logits: torch.Tensor, block_
     width = block_tokens.shape[1]
     # Rows that sample draw from their own generators, which stay outside a compiled graph.
     decide = state.compiled if state.compiled is not None and not rows.sampled else decide_tensors
+    schedule = state.cai_schedule(rows, rows_of, width) if "cai" in rows.policies else None
     new_tokens, summary, first_conf, low_yield = decide(
         state.knobs_f[rows_of], state.knobs_i[rows_of], state.knobs_b[rows_of], state.first_conf[rows_of, :width],
         state.low_yield[rows_of], logits, block_tokens, in_block, rows.fields, end_ids, mask_id, rows.policies,
-        tuple(rows.sampled), rows.max_top_k, rows.any_top_p, rows.any_min_p, rows.commit_first, rows.logprob_k)
+        tuple(rows.sampled), rows.max_top_k, rows.any_top_p, rows.any_min_p, rows.commit_first, rows.logprob_k,
+        schedule)
     if "cai" in rows.policies:
         state.first_conf[rows_of, :width] = first_conf
         state.low_yield[rows_of] = low_yield
@@ -248,10 +325,11 @@ def decide_tensors(knobs_f: torch.Tensor, knobs_i: torch.Tensor, knobs_b: torch.
                    low_yield: torch.Tensor, logits: torch.Tensor, block_tokens: torch.Tensor, in_block: torch.Tensor,
                    fields: torch.Tensor, end_ids: torch.Tensor, mask_id: int, policies: frozenset[str],
                    sampled: tuple[tuple[int, torch.Generator, float], ...], max_top_k: int, any_top_p: bool,
-                   any_min_p: bool, commit_first: bool,
-                   logprob_k: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The decide step on the rows' tensors (knobs and CAI state gathered by slot): tensors in,
-    tensors out, so that it can be compiled. Returns (new tokens, summary, CAI's s_i, CAI's counter).
+                   any_min_p: bool, commit_first: bool, logprob_k: int = -1,
+                   schedule: Optional[CaiSchedule] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                    torch.Tensor]:
+    """The decide step on the rows' tensors (knobs, CAI state and schedule gathered by slot): tensors
+    in, tensors out, so that it can be compiled. Returns (new tokens, summary, CAI's s_i, CAI's counter).
     With `logprob_k` >= 0 the summary also carries every block position's logprobs (`LogprobColumns`)."""
     f = dict(zip(_FLOAT_KNOBS, knobs_f.unbind(1), strict=True))
     i = dict(zip(_INT_KNOBS, knobs_i.unbind(1), strict=True))
@@ -266,10 +344,10 @@ def decide_tensors(knobs_f: torch.Tensor, knobs_i: torch.Tensor, knobs_b: torch.
     conf = confidence(logits, x0, i["conf_kind"], kinds)
     candidates = (block_tokens == mask_id) & in_block
     width = block_tokens.shape[1]
-    step = fields[:, STEP_FIELDS.index("step")]
-    batch = Batch(conf=conf, candidates=candidates, step=step, block=fields[:, STEP_FIELDS.index("block")],
-                  quota=fields[:, STEP_FIELDS.index("quota")], f=f, i=i, b=b, first_conf=first_conf,
-                  low_yield=low_yield)
+    column = dict(zip(STEP_FIELDS, fields.unbind(1), strict=True))
+    step = column["step"]
+    batch = Batch(conf=conf, candidates=candidates, step=step, block=column["block"], quota=column["quota"], f=f,
+                  i=i, b=b, first_conf=first_conf, low_yield=low_yield, schedule=schedule)
 
     decided: dict[DecideFn, Decision] = {}
     for name in sorted(policies):
@@ -299,7 +377,7 @@ def decide_tensors(knobs_f: torch.Tensor, knobs_i: torch.Tensor, knobs_b: torch.
                 first_conf = torch.where(mine[:, None], decision.first_conf, first_conf)
                 low_yield = torch.where(mine, decision.low_yield, low_yield)
     if commit_first:  # Fast-dLLM's Dream block decoder: a block's first forward commits its first token
-        first_only = fields[:, STEP_FIELDS.index("commit_first_only")] > 0
+        first_only = column["commit_first_only"] > 0
         first = torch.zeros_like(candidates)
         first[:, 0] = True
         commit = torch.where(first_only[:, None], first & candidates, commit)

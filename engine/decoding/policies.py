@@ -150,13 +150,29 @@ def budget_levels(steps_per_block: torch.Tensor) -> torch.Tensor:
     return torch.div(scaled, PAPER_STEPS_PER_BLOCK, rounding_mode="floor").clamp(min=1)
 
 
-def box5_token_budget(first_conf: torch.Tensor, quarter: torch.Tensor, steps_per_block: torch.Tensor) -> torch.Tensor:
-    """Box 5, cases in order: 8 if s > 0.5 and p < 32; 64 if s < 0.25 or p >= 48; else 32."""
+@dataclass
+class BudgetTiers:
+    """Box 5's budget of each position of a row's block in each confidence case. They depend on the
+    position's quarter and the steps per block alone, so an engine computes them once per request."""
+
+    confident: torch.Tensor  # [B, W] s > 0.5: 8 in the block's first half, 64 in its last quarter, else 32
+    middle: torch.Tensor  # [B, W] 0.25 <= s <= 0.5: 64 in the last quarter, else 32
+    unsure: torch.Tensor  # [B, 1] s < 0.25: 64
+
+
+def budget_tiers(quarter: torch.Tensor, steps_per_block: torch.Tensor) -> BudgetTiers:
+    """Box 5's cases in order (8 if s > 0.5 and p < 32; 64 if s < 0.25 or p >= 48; else 32), split
+    by the confidence case: what is left to decide at a step is which case s_i falls in."""
     levels = budget_levels(steps_per_block)
     small, mid, big = levels[:, 0:1], levels[:, 1:2], levels[:, 2:3]
-    easy = (first_conf > CONF_HIGH) & (quarter < 2)
-    hard = (first_conf < CONF_LOW) | (quarter >= 3)
-    return torch.where(easy, small, torch.where(hard, big, mid))
+    middle = torch.where(quarter >= 3, big, mid)
+    return BudgetTiers(confident=torch.where(quarter < 2, small, middle), middle=middle, unsure=big)
+
+
+def box5_token_budget(first_conf: torch.Tensor, tiers: BudgetTiers) -> torch.Tensor:
+    """Box 5: B_i = 8 if s_i > 0.5 and p < 32; 64 if s_i < 0.25 or p >= 48; else 32 (`budget_tiers`)."""
+    return torch.where(first_conf > CONF_HIGH, tiers.confident,
+                       torch.where(first_conf < CONF_LOW, tiers.unsure, tiers.middle))
 
 
 @dataclass
@@ -227,16 +243,32 @@ def box7_grinding_phase_detector(committed: torch.Tensor, low_yield: torch.Tenso
     return torch.where(fired, 0, counter), fired
 
 
+def block_threshold(step: torch.Tensor, steps_per_block: torch.Tensor, block_index: torch.Tensor,
+                    num_blocks: torch.Tensor, knobs: CaiKnobs) -> torch.Tensor:
+    """theta_b(t): Box 3's schedule ending at Box 4's theta_e^(b). A function of a row's knobs, block
+    and step alone, so an engine may tabulate it per request for every (block, step)."""
+    theta_end = box4_block_end_threshold(knobs.theta_e, block_index, num_blocks, knobs.block_decay,
+                                         knobs.stretch, knobs.block_schedule)
+    return box3_adaptive_threshold(step, steps_per_block, knobs.theta_s, theta_end, knobs.warmup)
+
+
 def cai_step(conf: torch.Tensor, candidates: torch.Tensor, step: torch.Tensor, steps_per_block: torch.Tensor,
              block_index: torch.Tensor, num_blocks: torch.Tensor, block_length: torch.Tensor,
              state: CaiState, knobs: CaiKnobs) -> CaiDecision:
     """One step of Algorithm 1 for every row (its lines 10-29); `state.first_conf` is Box 2's s_i."""
-    theta_end = box4_block_end_threshold(knobs.theta_e, block_index, num_blocks, knobs.block_decay,
-                                         knobs.stretch, knobs.block_schedule)
-    theta_block = box3_adaptive_threshold(step, steps_per_block, knobs.theta_s, theta_end, knobs.warmup)
+    theta_block = block_threshold(step, steps_per_block, block_index, num_blocks, knobs)
     quarter = block_quarter(conf.shape[1], block_length)
+    return cai_commit(conf, candidates, step, steps_per_block, theta_block, quarter,
+                      budget_tiers(quarter, steps_per_block), state, knobs)
+
+
+def cai_commit(conf: torch.Tensor, candidates: torch.Tensor, step: torch.Tensor, steps_per_block: torch.Tensor,
+               theta_block: torch.Tensor, quarter: torch.Tensor, tiers: BudgetTiers, state: CaiState,
+               knobs: CaiKnobs) -> CaiDecision:
+    """`cai_step` given what depends on a row's request, block and step alone (theta_b(t), the
+    positions' quarters, Box 5's tiers): the part of Algorithm 1 that needs this step's confidences."""
     thresholds = box6_position_thresholds(theta_block, quarter, knobs.position_factors)
-    budgets = box5_token_budget(state.first_conf, quarter, steps_per_block)
+    budgets = box5_token_budget(state.first_conf, tiers)
     by_threshold, by_budget = box6_position_aware_commit(conf, candidates, thresholds, budgets, step, knobs.budgets)
     commit = by_threshold | by_budget
 
