@@ -72,6 +72,8 @@ DEFAULT_BLOCK = 32
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 INVALID_DECODING = "invalid_decoding"  # a knob's range, or a rule between knobs (DecodeParams)
 TOO_MANY_CHOICES = "too_many_choices"  # n x prompts above --max-n
+# Knobs an OpenAI/vLLM request field sets, over the decoding object's value
+_OPENAI_KNOBS = ("temperature", "seed", "top_p", "top_k", "min_p", "ignore_eos", "logprobs")
 LOGPROBS_REQUIRED = "logprobs_required"  # top_logprobs without logprobs: true
 CHAT_TEMPLATE_ERROR = "chat_template_error"  # the checkpoint's template refuses these messages
 EMPTY_PROMPT = "empty_prompt"  # a text that encodes to no token
@@ -218,6 +220,10 @@ class Serving:
         else:
             knobs["gen_length"] = self._default_canvas(knobs, self.max_model_len - longest_prompt)
         try:
+            if any(name in decoding for name in _OPENAI_KNOBS):
+                # an OpenAI field set above wins over the decoding object's value, which must still be
+                # valid in itself (a request the schema rejects is never served)
+                DecodeParams.from_dict({**knobs, **_integral_knobs(decoding)})
             params = DecodeParams.from_dict(knobs)
         except DecodeParamError as err:
             from_body = err.param in (body.decoding or {}) or err.param == "gen_length"

@@ -92,6 +92,9 @@ def test_bad_values_get_errors_that_name_their_field(fixtures):
         assert error({"decoding": {"steps": 10 ** 9}})["param"] == "decoding.steps"
         assert error({"decoding": {"gen_length": 64}})["param"] == "decoding.gen_length"
         assert error({"decoding": {"block_length": 10 ** 9}})["param"] == "decoding.block_length"
+        # an OpenAI field wins over the decoding object's value, which must still be valid (schemathesis)
+        assert error({"logprobs": 1, "decoding": {"logprobs": [{"p": 1}]}})["param"].startswith("decoding")
+        assert error({"temperature": 0.5, "decoding": {"temperature": -1}})["param"] == "decoding.temperature"
         assert error({"prompt": [5] * 5000})["param"] == "prompt"  # the prompt alone fills the context
         assert error({"max_tokens": 10 ** 6})["param"] == "max_tokens"
         for raw, words in ((b'{"prompt": [5], "temperature": NaN}', "NaN"),
