@@ -121,7 +121,7 @@ def box3_adaptive_threshold(step: torch.Tensor, steps_per_block: torch.Tensor, t
 _CONSTANTS: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
-def _constant(name: str, values: tuple, device: torch.device) -> torch.Tensor:
+def device_constant(name: str, values: tuple, device: torch.device) -> torch.Tensor:
     """A paper constant as a tensor on `device`, made once (a step would otherwise rebuild it)."""
     key = (name, device)
     if key not in _CONSTANTS:
@@ -138,7 +138,7 @@ def block_quarter(width: int, block_length: torch.Tensor) -> torch.Tensor:
 
 def box6_position_thresholds(theta_block: torch.Tensor, quarter: torch.Tensor, enabled: torch.Tensor) -> torch.Tensor:
     """Box 6: theta_i = clip(theta_b * r_pos(i), 0.20, 0.98); theta_b itself when disabled."""
-    factors = _constant("position_factors", POSITION_FACTORS, quarter.device)[quarter]
+    factors = device_constant("position_factors", POSITION_FACTORS, quarter.device)[quarter]
     low, high = TOKEN_THRESHOLD_CLIP
     positional = (theta_block[:, None] * factors).clamp(low, high)
     return torch.where(enabled[:, None], positional, theta_block[:, None])
@@ -146,7 +146,7 @@ def box6_position_thresholds(theta_block: torch.Tensor, quarter: torch.Tensor, e
 
 def budget_levels(steps_per_block: torch.Tensor) -> torch.Tensor:
     """Box 5's 8/32/64-step budgets scaled to the steps per block (DECISION), at least 1: [B, 3]."""
-    scaled = _constant("budget_steps", BUDGET_STEPS, steps_per_block.device)[None, :] * steps_per_block[:, None]
+    scaled = device_constant("budget_steps", BUDGET_STEPS, steps_per_block.device)[None, :] * steps_per_block[:, None]
     return torch.div(scaled, PAPER_STEPS_PER_BLOCK, rounding_mode="floor").clamp(min=1)
 
 

@@ -21,6 +21,8 @@ from collections.abc import Collection, Sequence
 
 import torch
 
+from engine.decoding.policies import device_constant
+
 CONF_PROB = 0
 CONF_NEG_ENTROPY = 1
 CONF_MARGIN = 2
@@ -73,18 +75,8 @@ def token_logprobs(logits: torch.Tensor, x0: torch.Tensor, k: int) -> tuple[torc
 def _best_but(scores: torch.Tensor, excluded: int) -> torch.Tensor:
     """argmax over the last dimension, never `excluded` (a copy with that entry at -inf: cheaper
     than a top-2 here, and exactly the argmax wherever `excluded` is not the best)."""
-    return scores.index_fill(-1, _index(excluded, scores.device), float("-inf")).argmax(dim=-1)
-
-
-_INDICES: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def _index(value: int, device: torch.device) -> torch.Tensor:
-    """A one-element index tensor, made once per value and device (a step would rebuild it)."""
-    key = (value, device)
-    if key not in _INDICES:
-        _INDICES[key] = torch.tensor([value], device=device)
-    return _INDICES[key]
+    index = device_constant(f"excluded token {excluded}", (excluded,), scores.device)
+    return scores.index_fill(-1, index, float("-inf")).argmax(dim=-1)
 
 
 def predict(logits: torch.Tensor, sampled: Sequence[tuple[int, torch.Generator, float]],
