@@ -1,11 +1,18 @@
 """Step time of `Engine.step`, the host time outside the model forward, and host reads per step.
 
-For each model (the bundled llada-tiny, the tiny fixture and a ~100M-parameter random LLaDA), batch
+For each model (the bundled llada-tiny and dream-tiny, the tiny fixture and a ~100M-parameter random
+LLaDA), batch
 size and cache mode, the engine decodes CAI (prompt 64 tokens, 128 generated in blocks of 32, no
 early exit) and we time every `engine.step()` and every model forward inside it, after a warm-up
 block. "Outside" = step time minus forward time: input building, sampling, the policies, commits,
 cache bookkeeping and the step's one device-to-host transfer, the controller overhead the paper puts
 below 2 %. Medians over the timed steps; "reads" is the most tensor-to-host reads in any one step.
+"cached ms" is the median step time over the steps in which all `batch` rows ran and none ran a full
+forward (with a cache, every row fed only its block, or its block and what follows): CAI starts blocks
+every step or two, so most steps mix in a block start's full forward, and this column is the cached
+step on its own ("n" of the timed steps were such steps; "-" without a cache or when none was).
+Rows marked "fixed" decode with LLaDA's fixed schedule instead (one token a step, so a block is one full step
+and 31 cached ones): the cached step of a running batch, as a server pays it for most of a block.
 
     python bench/step_time.py --steps 48 --threads 2 > bench/results/step_time_cpu.txt
     python bench/step_time.py --steps 48 --threads 2 --compile-decide   # the decide step compiled
@@ -39,6 +46,20 @@ def random_llada(d_model: int, layers: int, heads: int, mlp: int, vocab: int) ->
     return LLaDAModel(LLaDAModel.parse_config(hf), special, hf).eval().requires_grad_(False)
 
 
+class FullForwardCounter:
+    """Counts the model runner's full forwards (a block start, a refresh, or no cache)."""
+
+    def __init__(self, runner: object) -> None:
+        self.count = 0
+        self._runner = runner
+        self._full = runner._forward_full  # type: ignore[attr-defined]
+        runner._forward_full = self  # type: ignore[attr-defined]
+
+    def __call__(self, *args, **kwargs):
+        self.count += 1
+        return self._full(*args, **kwargs)
+
+
 class ForwardTimer:
     def __init__(self, model: torch.nn.Module) -> None:
         self.total = 0.0
@@ -58,35 +79,41 @@ class ForwardTimer:
         del self._model.forward
 
 
-def measure(model: torch.nn.Module, batch: int, cache: str, steps: int, compile_decide: bool = False) -> dict:
+def measure(model: torch.nn.Module, batch: int, cache: str, steps: int, compile_decide: bool = False,
+            policy: str = "cai") -> dict:
     engine = Engine.from_model(model, max_batch=batch, compile_decide=compile_decide)
     gen = torch.Generator().manual_seed(1)
     vocab = min(model.special.mask_id, model.config.vocab_size) - 8
-    params = DecodeParams(policy="cai", gen_length=128, block_length=32, steps=128, cache=cache, early_exit=False,
+    params = DecodeParams(policy=policy, gen_length=128, block_length=32, steps=128, cache=cache, early_exit=False,
                           refresh_interval=16 if cache != "none" else 0)
     for _ in range(batch):
         engine.add_request(torch.randint(0, vocab, (64,), generator=gen).tolist(), params)
     timer = ForwardTimer(model)
-    step_ms, outside_ms, reads = [], [], 0
+    full = FullForwardCounter(engine.runner)
+    step_ms, outside_ms, cached_ms, reads = [], [], [], 0
     warm = 0
     try:
         while engine.has_unfinished() and len(step_ms) < steps:
             timer.total = 0.0
+            full.count = 0
             with count_host_reads() as counted:
                 start = time.perf_counter()
-                engine.step()
+                outputs = engine.step()
                 took = time.perf_counter() - start
             if warm < 2:  # first-call allocations and the first block start
                 warm += 1
                 continue
             step_ms.append(1000 * took)
             outside_ms.append(1000 * (took - timer.total))
+            if full.count == 0 and len(outputs) == batch:
+                cached_ms.append(1000 * took)
             reads = max(reads, counted.count)
     finally:
         timer.restore()
     return {"step_ms": statistics.median(step_ms), "outside_ms": statistics.median(outside_ms),
             "forward_ms": statistics.median(s - o for s, o in zip(step_ms, outside_ms, strict=True)),
-            "reads": reads, "steps": len(step_ms)}
+            "reads": reads, "steps": len(step_ms),
+            "cached_ms": statistics.median(cached_ms) if cached_ms else None, "cached_steps": len(cached_ms)}
 
 
 def main() -> None:
@@ -98,23 +125,28 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     models = {"bundled llada-tiny": load_model(REPO / "models" / "llada-tiny"),
+              "bundled dream-tiny": load_model(REPO / "models" / "dream-tiny"),
               "fixture llada_tiny": load_model(FIXTURES / "llada_tiny")}
     if not args.skip_large:
         models["random LLaDA 100M (d768 L12)"] = random_llada(768, 12, 12, 2048, 16384)
     print(f"# {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, float32, CPU; "
-          f"CAI, prompt 64 + 128 generated, block 32, refresh 16, medians of {args.steps} steps after 2 warm-up")
+          f"CAI (rows marked fixed: one token a step), prompt 64 + 128 generated, block 32, refresh 16, "
+          f"medians of {args.steps} steps after 2 warm-up")
     flags = (" --skip-large" if args.skip_large else "") + (" --compile-decide" if args.compile_decide else "")
     print(f"# command: python bench/step_time.py --steps {args.steps} --threads {args.threads}{flags}")
     print(f"{'model':30s} {'batch':>5s} {'cache':>6s} {'step ms':>8s} {'forward ms':>10s} {'outside ms':>10s} "
-          f"{'outside %':>9s} {'reads/step':>10s}")
+          f"{'outside %':>9s} {'reads/step':>10s} {'cached ms':>9s} {'n':>3s}")
     for name, model in models.items():
         params = sum(p.numel() for p in model.parameters())
-        for batch in (1, 8):
-            for cache in ("none", "prefix", "dual"):
-                r = measure(model, batch, cache, args.steps, args.compile_decide)
-                print(f"{name:30s} {batch:5d} {cache:>6s} {r['step_ms']:8.2f} {r['forward_ms']:10.2f} "
-                      f"{r['outside_ms']:10.2f} {100 * r['outside_ms'] / r['step_ms']:8.1f}% {r['reads']:10d}",
-                      flush=True)
+        rows = [("cai", batch, cache) for batch in (1, 8) for cache in ("none", "prefix", "dual")]
+        rows += [("fixed", batch, cache) for batch in (1, 8) for cache in ("prefix", "dual")]
+        for policy, batch, cache in rows:
+            r = measure(model, batch, cache, args.steps, args.compile_decide, policy)
+            cached = "-" if r["cached_ms"] is None else f"{r['cached_ms']:.2f}"
+            label = name if policy == "cai" else f"{name} fixed"
+            print(f"{label:30s} {batch:5d} {cache:>6s} {r['step_ms']:8.2f} {r['forward_ms']:10.2f} "
+                  f"{r['outside_ms']:10.2f} {100 * r['outside_ms'] / r['step_ms']:8.1f}% {r['reads']:10d} "
+                  f"{cached:>9s} {r['cached_steps']:3d}", flush=True)
         print(f"# {name}: {params / 1e6:.1f}M parameters")
 
 
