@@ -143,11 +143,11 @@ def decode_params(cache: str, args: argparse.Namespace) -> DecodeParams:
 
 
 def make_stepper(model: DiffusionTransformer, prompts: Sequence[tuple[int, ...]], cache: str,
-                 args: argparse.Namespace) -> Callable[[], Optional[int]]:
+                 args: argparse.Namespace, cuda_graphs: bool = False) -> Callable[[], Optional[int]]:
     """Everything that drives the engine: queue one request per prompt on a fresh engine and
     return a callable that runs one engine step and returns the tokens the engine says the model
     was fed (None if the engine does not report it). The first step also admits the requests."""
-    engine = Engine.from_model(model, max_batch=len(prompts))
+    engine = Engine.from_model(model, max_batch=len(prompts), cuda_graphs=cuda_graphs)
     params = decode_params(cache, args)
     for i, prompt in enumerate(prompts):
         engine.add_request(prompt, params, f"bench-{i}")
@@ -313,7 +313,7 @@ def random_prompts(batch: int, prompt_len: int, token_limit: int, seed: int) -> 
 
 
 def time_steps(model: DiffusionTransformer, prompts: list[tuple[int, ...]], cache: str,
-               args: argparse.Namespace) -> StepTimes:
+               args: argparse.Namespace, cuda_graphs: bool = False) -> StepTimes:
     """Warm-up: one stepper through the first block's start and k cached steps. Then `repeats`
     fresh steppers, each timing the first block's start and its steps 1..k, so every repeat has
     the same shape (a prefix step's work shrinks with the block index)."""
@@ -321,7 +321,7 @@ def time_steps(model: DiffusionTransformer, prompts: list[tuple[int, ...]], cach
     k = min(args.cached_steps, args.block - 1)
     times = StepTimes([], [], {FULL: set(), CACHED: set()})
     for repeat in range(args.repeats + 1):
-        step = make_stepper(model, prompts, cache, args)
+        step = make_stepper(model, prompts, cache, args, cuda_graphs)
         for i in range(1 + k):
             _sync(device)
             start = time.perf_counter()
@@ -360,6 +360,11 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         "CUDA, 64 on CPU)")
     parser.add_argument("--matmul-n", type=int, default=None, help="side of the square matmul (default 8192 on "
                         "CUDA, 1024 on CPU)")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time every dual row with the engine's CUDA graphs (EngineConfig.cuda_graphs; "
+                        "default: on with --device cuda), "
+                        "attention sdpa, labelled 'sdpa+graph' (each repeat's fresh engine captures its graph in "
+                        "its first cached step, one of the steps the median is taken over)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     parser.add_argument("--real-dir", type=Path, default=REAL_DIR, help="folder with the released configs")
@@ -370,6 +375,11 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         parser.error("--block must be >= 2 for a cached step to exist")
     if args.repeats < 1 or args.cached_steps < 1:
         parser.error("--repeats and --cached-steps must be >= 1")
+    on_cuda = torch.device(args.device).type == "cuda"
+    if args.cuda_graphs and not on_cuda:
+        parser.error("--cuda-graphs needs --device cuda")
+    if args.cuda_graphs is None:
+        args.cuda_graphs = on_cuda
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device here; on CPU run e.g. --shapes tiny --device cpu --dtype float32")
     return args
@@ -451,11 +461,14 @@ def _run(args: argparse.Namespace, argv_shown: list[str]) -> None:
         for batch in args.batches:
             prompts = random_prompts(batch, args.prompt_len, spec.token_limit, args.seed + batch)
             for cache in args.caches:
-                for attn_name, kernel in kernels:
+                variants = [(attn_name, kernel, False) for attn_name, kernel in kernels]
+                if args.cuda_graphs and cache == "dual":
+                    variants.append(("sdpa", sdpa_attention, True))
+                for attn_name, kernel, graphs in variants:
                     probe = _KernelProbe(kernel)
                     model.set_attention_kernel(attn_name, probe)
-                    times = time_steps(model, prompts, cache, args)
-                    label = attn_name
+                    times = time_steps(model, prompts, cache, args, graphs)
+                    label = f"{attn_name}+graph" if graphs else attn_name
                     if attn_name != "sdpa" and probe.masked:
                         # flash_attn has no key mask: every masked call ran SDPA instead
                         label = f"{attn_name[:5]}>sdpa" if probe.masked == probe.calls else f"{attn_name[:5]}~"

@@ -19,6 +19,9 @@ class EngineConfig:
     # compile the decide step (torch.compile): less host time a step, seconds of compiling per new
     # batch shape family at the start (bench/step_time.py --compile-decide)
     compile_decide: bool = False
+    # run the dual-cache step as CUDA graphs, one per batch bucket (engine.dual_graphs); CUDA only, off
+    # until a GPU run shows it pays (docs/performance.md)
+    cuda_graphs: bool = False
     # the most top alternatives a request may ask for per token (vLLM's --max-logprobs)
     max_logprobs: int = 20
     # the most tokens one likelihood-scoring request may feed the model: (n - 1) x samples x n for a
@@ -36,5 +39,7 @@ class EngineConfig:
             raise ValueError(f"max_score_tokens must be a positive integer, got {self.max_score_tokens!r}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise ValueError(f"cuda_graphs needs a CUDA device, got device {self.device!r}")
         if self.dtype.lower() not in DTYPE_ALIASES:
             raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {self.dtype!r}")

@@ -24,6 +24,7 @@ from engine.config import EngineConfig
 from engine.decoding.decide import DecodeState, LogprobColumns, StepRows, decide_step
 from engine.decoding.params import DecodeParams, resolve_defaults
 from engine.decoding.types import GenerationRequest, GenerationResult
+from engine.dual_graphs import DualStepGraphs
 from engine.errors import CheckpointError, RequestError
 from engine.loading.tokenizer import encode_text, load_tokenizer
 from engine.loading.weights import load_model
@@ -49,11 +50,11 @@ class Engine:
 
     @classmethod
     def from_model(cls, model: DiffusionTransformer, tokenizer: Optional[Any] = None, max_batch: int = 8,
-                   compile_decide: bool = False) -> Engine:
+                   compile_decide: bool = False, cuda_graphs: bool = False) -> Engine:
         """An engine over an already loaded model (tests, training, benchmarks)."""
         engine = cls.__new__(cls)
         config = EngineConfig(model="", device=str(model.device), dtype=str(model.dtype).removeprefix("torch."),
-                              max_batch=max_batch, compile_decide=compile_decide)
+                              max_batch=max_batch, compile_decide=compile_decide, cuda_graphs=cuda_graphs)
         engine._setup(config, model, tokenizer)
         return engine
 
@@ -72,7 +73,8 @@ class Engine:
     def reset(self) -> None:
         """Drop every request, waiting or running (after a failed step)."""
         self.scheduler = Scheduler(self.max_batch)
-        self.runner = ModelRunner(self.model, self.max_batch)
+        graphs = DualStepGraphs(self.model, self.max_batch, capture=True) if self.config.cuda_graphs else None
+        self.runner = ModelRunner(self.model, self.max_batch, graphs)
         self.decode_state = DecodeState(self.max_batch, self.model.device, self.config.compile_decide)
 
     @property

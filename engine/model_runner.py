@@ -18,10 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from engine.decoding.decide import STEP_FIELDS, StepRows
+from engine.dual_graphs import DualStepGraphs
 from engine.models.kv_cache import CacheWrite, KVStore
 from engine.models.transformer import DiffusionTransformer
 from engine.request import FORWARD_DUAL, FORWARD_FULL, FORWARD_PREFIX, Request
@@ -39,8 +41,11 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: DiffusionTransformer, max_batch: int) -> None:
+    def __init__(self, model: DiffusionTransformer, max_batch: int,
+                 dual_graphs: Optional[DualStepGraphs] = None) -> None:
         self.model = model
+        # the dual-cache forward on static buffers, as CUDA graphs when capturing (engine.dual_graphs)
+        self.dual_graphs = dual_graphs
         self.device = model.device
         self.shift = 1 if model.logits_shifted else 0
         self.mask_id = model.special.mask_id
@@ -161,9 +166,36 @@ class ModelRunner:
         """Feed each row's block (dual) or block and everything after it (prefix); the other
         positions' keys/values come from the row's slot of the store."""
         shift = self.shift
-        span = max(r.slot for r in requests) + 1
         query_length = max((r.length if through_end else r.block_start + r.block_length) - r.block_start + shift
                            for r in requests)
+        if self.dual_graphs is not None and not through_end:
+            # the store's last column is past every canvas: the static forward's scratch column
+            ids, positions, write_index, at = self._cached_inputs(fields, in_block, width, query_length,
+                                                                  self.store.width - 1, through_end)
+            return self.dual_graphs.forward(self.store, fields[:, STEP_FIELDS.index("slot")],
+                                            max(r.slot for r in requests), ids, positions, write_index, at)
+        # Attention spans the longest canvas of these rows, plus a scratch column past it that
+        # query-only positions write to and no row attends (the store is wider: not read here).
+        scratch = max(r.length for r in requests)
+        ids, positions, write_index, at = self._cached_inputs(fields, in_block, width, query_length, scratch,
+                                                              through_end)
+        span = max(r.slot for r in requests) + 1
+        in_slot_order = span == len(requests) and all(r.slot == b for b, r in enumerate(requests))
+        rows = slice(None, span) if in_slot_order else slice(None)
+        store = KVStore(keys=[k[rows, :, :scratch + 1] for k in self.store.keys],
+                        values=[v[rows, :, :scratch + 1] for v in self.store.values],
+                        key_mask=self.store.key_mask[rows, :scratch + 1])
+        # in slot order the rows are the store's first rows: attend over a view of them; otherwise
+        # each layer reads the rows out of the store (a copy of those rows)
+        cache = CacheWrite(store, write_index, rows=None if in_slot_order else fields[:, STEP_FIELDS.index("slot")])
+        return self.model(ids, position_ids=positions, cache=cache, logits_at=at)
+
+    def _cached_inputs(self, fields: torch.Tensor, in_block: torch.Tensor, width: int, query_length: int,
+                       scratch: int, through_end: bool) -> tuple[torch.Tensor, ...]:
+        """A cached forward's (ids, positions, write_index, logits_at) for rows `fields`: query j of a
+        row is canvas position block_start - shift + j while inside its span, else a mask that
+        writes its key/value to column `scratch`, past every canvas of these rows."""
+        shift = self.shift
         first = fields[:, STEP_FIELDS.index("block_start"), None] - shift
         if through_end:
             end = fields[:, STEP_FIELDS.index("length"), None]
@@ -178,17 +210,6 @@ class ModelRunner:
         positions = torch.where(valid, source, 0)
         # The extra position before the block (Dream) is only a query: its cached key/value stay
         # from the last full forward, as every other position outside the fed span.
-        # Attention spans the longest canvas of these rows, plus a scratch column past it that
-        # query-only positions write to and no row attends (the store is wider: not read here).
-        scratch = max(r.length for r in requests)
         write_index = torch.where(valid & (j >= shift), source, scratch)
         at = torch.where(in_block, self._arange[None, :width], 0)
-        in_slot_order = span == len(requests) and all(r.slot == b for b, r in enumerate(requests))
-        rows = slice(None, span) if in_slot_order else slice(None)
-        store = KVStore(keys=[k[rows, :, :scratch + 1] for k in self.store.keys],
-                        values=[v[rows, :, :scratch + 1] for v in self.store.values],
-                        key_mask=self.store.key_mask[rows, :scratch + 1])
-        # in slot order the rows are the store's first rows: attend over a view of them; otherwise
-        # each layer reads the rows out of the store (a copy of those rows)
-        cache = CacheWrite(store, write_index, rows=None if in_slot_order else slots)
-        return self.model(ids, position_ids=positions, cache=cache, logits_at=at)
+        return ids, positions, write_index, at

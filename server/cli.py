@@ -564,6 +564,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_setting(engine, "compile_decide", action=argparse.BooleanOptionalAction,
                  help="compile the decide step (torch.compile): less host time a step, seconds of compiling "
                       "per new batch shape at the start")
+    _add_setting(engine, "cuda_graphs", action=argparse.BooleanOptionalAction,
+                 help="run the dual-cache step as CUDA graphs, one per batch bucket (CUDA only)")
     sv = serve.add_argument_group("server")
     _add_setting(sv, "served_model_name", help="the model id clients send", unset="the directory name")
     _add_setting(sv, "host", help="address to listen on")
