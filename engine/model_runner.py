@@ -170,15 +170,15 @@ class ModelRunner:
                            for r in requests)
         if self.dual_graphs is not None and not through_end:
             # the store's last column is past every canvas: the static forward's scratch column
-            ids, positions, write_index, at = self._cached_inputs(fields, in_block, width, query_length,
-                                                                  self.store.width - 1, through_end)
+            ids, positions, write_index = self._cached_inputs(fields, query_length, self.store.width - 1,
+                                                              through_end)
+            at = torch.where(in_block, self._arange[None, :width], 0)
             return self.dual_graphs.forward(self.store, fields[:, STEP_FIELDS.index("slot")],
                                             max(r.slot for r in requests), ids, positions, write_index, at)
         # Attention spans the longest canvas of these rows, plus a scratch column past it that
         # query-only positions write to and no row attends (the store is wider: not read here).
         scratch = max(r.length for r in requests)
-        ids, positions, write_index, at = self._cached_inputs(fields, in_block, width, query_length, scratch,
-                                                              through_end)
+        ids, positions, write_index = self._cached_inputs(fields, query_length, scratch, through_end)
         span = max(r.slot for r in requests) + 1
         in_slot_order = span == len(requests) and all(r.slot == b for b, r in enumerate(requests))
         rows = slice(None, span) if in_slot_order else slice(None)
@@ -188,11 +188,15 @@ class ModelRunner:
         # in slot order the rows are the store's first rows: attend over a view of them; otherwise
         # each layer reads the rows out of the store (a copy of those rows)
         cache = CacheWrite(store, write_index, rows=None if in_slot_order else fields[:, STEP_FIELDS.index("slot")])
+        # query j of a row is its block's position j (past its block: a position never read), so the
+        # logits are the first `width` queries' as they stand, a slice rather than a gather, unless
+        # these rows' blocks are all narrower than the step's widest
+        at = width if query_length >= width else torch.where(in_block, self._arange[None, :width], 0)
         return self.model(ids, position_ids=positions, cache=cache, logits_at=at)
 
-    def _cached_inputs(self, fields: torch.Tensor, in_block: torch.Tensor, width: int, query_length: int,
-                       scratch: int, through_end: bool) -> tuple[torch.Tensor, ...]:
-        """A cached forward's (ids, positions, write_index, logits_at) for rows `fields`: query j of a
+    def _cached_inputs(self, fields: torch.Tensor, query_length: int, scratch: int,
+                       through_end: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A cached forward's (ids, positions, write_index) for rows `fields`: query j of a
         row is canvas position block_start - shift + j while inside its span, else a mask that
         writes its key/value to column `scratch`, past every canvas of these rows."""
         shift = self.shift
@@ -211,5 +215,4 @@ class ModelRunner:
         # The extra position before the block (Dream) is only a query: its cached key/value stay
         # from the last full forward, as every other position outside the fed span.
         write_index = torch.where(valid & (j >= shift), source, scratch)
-        at = torch.where(in_block, self._arange[None, :width], 0)
-        return ids, positions, write_index, at
+        return ids, positions, write_index

@@ -66,3 +66,9 @@ class CacheWrite:
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.store.keys[i], self.store.values[i]
+
+    def write_rows(self) -> torch.Tensor:
+        """[B] the store row of each input row (made once a forward, not once a layer)."""
+        if self.rows is not None:
+            return self.rows
+        return torch.arange(self.write_index.shape[0], device=self.write_index.device)

@@ -14,8 +14,9 @@ from torch import nn
 from engine.models.attention import AttentionFn, sdpa_attention
 from engine.models.config import ModelConfig
 
-# (keys, values, write_index, rows or None, attend to the cache): one layer's share of a CacheWrite
-LayerCache = tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], bool]
+# (keys, values, write_index, the store row of each input row, rows or None, attend to the cache): one
+# layer's share of a CacheWrite
+LayerCache = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], bool]
 
 
 class RMSNorm(nn.Module):
@@ -25,6 +26,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # the fused kernel computes what the lines below do in float32, bit for bit
+            return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Both official models normalise in float32 and cast back *before* scaling by the weight.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -44,35 +48,43 @@ class FusedLinear(nn.Linear):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half (NeoX) RoPE over the full head dimension, cos/sin always built in float32."""
+    """Rotate-half (NeoX) RoPE over the full head dimension, cos/sin always built in float32.
+
+    The inverse frequencies are computed once per device and kept outside the module's buffers, so
+    casting the model to bfloat16 never rounds them."""
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        cached = self._inv_freq.get(device)
+        if cached is None:
+            exponent = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.int64).float() / self.head_dim
+            cached = self._inv_freq[device] = 1.0 / (self.theta ** exponent)
+        return cached
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids [B, L] -> cos, sin of shape [B, 1, L, head_dim] in float32."""
-        exponent = torch.arange(0, self.head_dim, 2, device=position_ids.device,
-                                dtype=torch.int64).float() / self.head_dim
-        inv_freq = 1.0 / (self.theta ** exponent)
-        freqs = position_ids.float()[..., None] * inv_freq
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None]
-        return angles.cos(), angles.sin()
+        """position_ids [B, L] -> cos, signed sin of shape [B, L, 1, head_dim] in float32 (heads
+        broadcast). The sine's first half is negated, so that rotate-half is a plain swap of halves:
+        rotate_half(x) * sin == swap_halves(x) * signed_sin, exactly (a sign flip does not round)."""
+        freqs = position_ids.float()[..., None] * self.inv_freq(position_ids.device)
+        sin = freqs.sin()
+        angles = torch.cat((freqs, freqs), dim=-1)[:, :, None]
+        return angles.cos(), torch.cat((-sin, sin), dim=-1)[:, :, None]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                  in_float32: bool) -> torch.Tensor:
-    if in_float32:
-        xf = x.float()
-        return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return x * cos + _rotate_half(x) * sin
+    """RoPE on x [B, L, heads, head_dim] with `RotaryEmbedding`'s cos and signed sin."""
+    if in_float32 and x.dtype != torch.float32:
+        return apply_rotary(x.float(), cos, signed_sin, False).to(x.dtype)
+    if not in_float32:
+        cos, signed_sin = cos.to(x.dtype), signed_sin.to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((x2, x1), dim=-1) * signed_sin
 
 
 def write_kv(store: torch.Tensor, new: torch.Tensor, write_index: torch.Tensor,
@@ -105,18 +117,20 @@ class Attention(nn.Module):
         """With `cache`, this forward's k/v are written into the cache (see `CacheWrite`) and, when
         it says so, the queries attend over the whole cache."""
         batch, length, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(
-            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-             self.num_kv_heads * self.head_dim], dim=-1)
-        q = q.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rotary(q, cos, sin, self.rope_in_float32)
-        k = apply_rotary(k, cos, sin, self.rope_in_float32)
+        q_width = self.num_heads * self.head_dim
+        qkv = self.qkv_proj(x)
+        # RoPE on the queries and keys together: one rotation over their heads side by side
+        qk = qkv[..., :q_width + self.num_kv_heads * self.head_dim].view(
+            batch, length, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rotary(qk, cos, sin, self.rope_in_float32)
+        q = qk[:, :, :self.num_heads].transpose(1, 2)
+        k = qk[:, :, self.num_heads:].transpose(1, 2)
+        v = qkv[..., q_width + self.num_kv_heads * self.head_dim:].view(
+            batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if cache is not None:
-            cache_k, cache_v, write_index, rows, attend_to_cache = cache
-            write_kv(cache_k, k, write_index, rows)
-            write_kv(cache_v, v, write_index, rows)
+            cache_k, cache_v, write_index, write_rows, rows, attend_to_cache = cache
+            write_kv(cache_k, k, write_index, write_rows)
+            write_kv(cache_v, v, write_index, write_rows)
             if attend_to_cache:  # the cache rows of this forward's inputs
                 k, v = (cache_k, cache_v) if rows is None else (cache_k[rows], cache_v[rows])
         out = self.kernel(q, k, v, key_mask)

@@ -73,9 +73,10 @@ class DiffusionTransformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None, *,
                 cache: Optional[CacheWrite] = None,
-                logits_at: Optional[torch.Tensor] = None,
+                logits_at: Optional[torch.Tensor | int] = None,
                 hidden_states_out: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
-        """Raw logits [B, L, vocab], or [B, K, vocab] at the input positions `logits_at` [B, K].
+        """Raw logits [B, L, vocab], or [B, K, vocab] at the input positions `logits_at` [B, K], or at
+        the first K input positions when `logits_at` is the int K.
 
         With `cache`, the inputs' keys/values are written into the cache store and attention runs
         over the store's columns, masked by `cache.store.key_mask` (`attention_mask` must be None),
@@ -102,13 +103,16 @@ class DiffusionTransformer(nn.Module):
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         cos, sin = self.rotary(position_ids)
         x = self.embed(input_ids)
+        write_rows = None if cache is None else cache.write_rows()
         for i, layer in enumerate(self.layers):
             if hidden_states_out is not None:
                 hidden_states_out.append(x)
-            layer_cache = None if cache is None else (*cache.layer(i), cache.write_index, cache.rows,
+            layer_cache = None if cache is None else (*cache.layer(i), cache.write_index, write_rows, cache.rows,
                                                       cache.attend_to_cache)
             x = layer(x, cos, sin, key_mask, layer_cache)
-        if logits_at is not None:
+        if isinstance(logits_at, int):
+            x = x[:, :logits_at]
+        elif logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
         x = self.norm(x)
         if hidden_states_out is not None:
