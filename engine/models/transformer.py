@@ -101,20 +101,20 @@ class DiffusionTransformer(nn.Module):
                 position_ids = positions_from_attention_mask(attention_mask)
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        cos, sin = self.rotary(position_ids)
-        x = self.embed(input_ids)
+        cos, sin = self.rotary.forward(position_ids)
+        x = self.embed.forward(input_ids)
         write_rows = None if cache is None else cache.write_rows()
         for i, layer in enumerate(self.layers):
             if hidden_states_out is not None:
                 hidden_states_out.append(x)
             layer_cache = None if cache is None else (*cache.layer(i), cache.write_index, write_rows, cache.rows,
                                                       cache.attend_to_cache)
-            x = layer(x, cos, sin, key_mask, layer_cache)
+            x = layer.forward(x, cos, sin, key_mask, layer_cache)  # no hooks: see engine.models.layers
         if isinstance(logits_at, int):
             x = x[:, :logits_at]
         elif logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
-        x = self.norm(x)
+        x = self.norm.forward(x)
         if hidden_states_out is not None:
             hidden_states_out.append(x)
-        return self.lm_head(x)
+        return self.lm_head.forward(x)
