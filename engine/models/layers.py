@@ -11,7 +11,7 @@ these submodules; the model itself is still called normally.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,9 @@ from torch import nn
 
 from engine.models.attention import AttentionFn, sdpa_attention
 from engine.models.config import ModelConfig
+
+# Input positions whose outputs are wanted: the first K positions (an int K) or [B, K] indices.
+Positions = Union[int, torch.Tensor]
 
 # (keys, values, write_index, the store row of each input row, rows or None, attend to the cache): one
 # layer's share of a CacheWrite
@@ -93,6 +96,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
     return x * cos + torch.cat((x2, x1), dim=-1) * signed_sin
 
 
+def select_positions(x: torch.Tensor, at: Positions) -> torch.Tensor:
+    """x [B, L, ...] at the positions `at` of each row: [B, K, ...]."""
+    if isinstance(at, int):
+        return x[:, :at]
+    index = at.reshape(*at.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
+    return x.gather(1, index)
+
+
 def write_kv(store: torch.Tensor, new: torch.Tensor, write_index: torch.Tensor,
              rows: Optional[torch.Tensor] = None) -> None:
     """store[rows[b], :, write_index[b, i]] = new[b, :, i] for store [S, heads, width, dim] and new
@@ -119,9 +130,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 key_mask: Optional[torch.Tensor],
-                cache: Optional[LayerCache] = None) -> torch.Tensor:
+                cache: Optional[LayerCache] = None, query_at: Optional[Positions] = None) -> torch.Tensor:
         """With `cache`, this forward's k/v are written into the cache (see `CacheWrite`) and, when
-        it says so, the queries attend over the whole cache."""
+        it says so, the queries attend over the whole cache. With `query_at`, every position is a key
+        and a value but only those positions are queries: the output is theirs alone."""
         batch, length, _ = x.shape
         q_width = self.num_heads * self.head_dim
         qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
@@ -129,7 +141,10 @@ class Attention(nn.Module):
         qk = qkv[..., :q_width + self.num_kv_heads * self.head_dim].view(
             batch, length, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = apply_rotary(qk, cos, sin, self.rope_in_float32)
-        q = qk[:, :, :self.num_heads].transpose(1, 2)
+        q = qk[:, :, :self.num_heads]
+        if query_at is not None:
+            q = select_positions(q, query_at)
+        q = q.transpose(1, 2)
         k = qk[:, :, self.num_heads:].transpose(1, 2)
         v = qkv[..., q_width + self.num_kv_heads * self.head_dim:].view(
             batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -140,7 +155,7 @@ class Attention(nn.Module):
             if attend_to_cache:  # the cache rows of this forward's inputs
                 k, v = (cache_k, cache_v) if rows is None else (cache_k[rows], cache_v[rows])
         out = self.kernel(q, k, v, key_mask)
-        return F.linear(out.transpose(1, 2).reshape(batch, length, -1), self.o_proj.weight)
+        return F.linear(out.transpose(1, 2).reshape(batch, q.shape[2], -1), self.o_proj.weight)
 
 
 class SwiGLU(nn.Module):
@@ -166,6 +181,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 key_mask: Optional[torch.Tensor],
-                cache: Optional[LayerCache] = None) -> torch.Tensor:
-        x = x + self.attn.forward(self.attn_norm.forward(x), cos, sin, key_mask, cache)
+                cache: Optional[LayerCache] = None, query_at: Optional[Positions] = None) -> torch.Tensor:
+        """The layer's output at every position, or at `query_at` only (every position still
+        writes its keys and values): what a last layer needs when only some logits are wanted."""
+        attended = self.attn.forward(self.attn_norm.forward(x), cos, sin, key_mask, cache, query_at)
+        x = (x if query_at is None else select_positions(x, query_at)) + attended
         return x + self.mlp.forward(self.mlp_norm.forward(x))

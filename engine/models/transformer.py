@@ -16,7 +16,7 @@ from torch import nn
 from engine.models.attention import AttentionFn
 from engine.models.config import ModelConfig
 from engine.models.kv_cache import CacheWrite
-from engine.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from engine.models.layers import DecoderLayer, Positions, RMSNorm, RotaryEmbedding, select_positions
 from engine.special_tokens import SpecialTokens
 
 
@@ -73,7 +73,7 @@ class DiffusionTransformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None, *,
                 cache: Optional[CacheWrite] = None,
-                logits_at: Optional[torch.Tensor | int] = None,
+                logits_at: Optional[Positions] = None,
                 hidden_states_out: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
         """Raw logits [B, L, vocab], or [B, K, vocab] at the input positions `logits_at` [B, K], or at
         the first K input positions when `logits_at` is the int K.
@@ -104,16 +104,19 @@ class DiffusionTransformer(nn.Module):
         cos, sin = self.rotary.forward(position_ids)
         x = self.embed.forward(input_ids)
         write_rows = None if cache is None else cache.write_rows()
+        # Only some outputs wanted: past its keys and values, the last layer computes those positions
+        # alone (its attention queries, MLP, norm and head), the same values at a fraction of the work
+        query_at = logits_at if hidden_states_out is None else None
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             if hidden_states_out is not None:
                 hidden_states_out.append(x)
             layer_cache = None if cache is None else (*cache.layer(i), cache.write_index, write_rows, cache.rows,
                                                       cache.attend_to_cache)
-            x = layer.forward(x, cos, sin, key_mask, layer_cache)  # no hooks: see engine.models.layers
-        if isinstance(logits_at, int):
-            x = x[:, :logits_at]
-        elif logits_at is not None:
-            x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
+            # no hooks: see engine.models.layers
+            x = layer.forward(x, cos, sin, key_mask, layer_cache, query_at if i == last else None)
+        if logits_at is not None and query_at is None:
+            x = select_positions(x, logits_at)
         x = self.norm.forward(x)
         if hidden_states_out is not None:
             hidden_states_out.append(x)
