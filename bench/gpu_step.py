@@ -175,15 +175,26 @@ class ModelDims:
     num_layers: int
     shift: int  # 1 when output i-1 predicts token i (Dream): one extra position is fed
     elem_bytes: int
+    layer_params: int  # one decoder layer's
+    kv_proj_params: int  # one layer's key and value projections (weights and biases)
+
+    @property
+    def wanted_only_params(self) -> int:
+        """What runs at the logit positions alone: the last layer but its key and value projections
+        (every fed position still writes its keys and values), and the final norm."""
+        return self.layer_params - self.kv_proj_params + self.hidden_size
 
     @classmethod
     def of(cls, model: DiffusionTransformer) -> ModelDims:
         config = model.config
         params = dict(model.named_parameters())  # tied weights appear once, under embed
         body = sum(p.numel() for name, p in params.items() if not name.startswith(("embed.", "lm_head.")))
+        layer = sum(p.numel() for p in model.layers[-1].parameters())
+        kv_bias = 2 * config.kv_size if config.qkv_bias else 0
         return cls(body_params=body, head_params=model.lm_head.weight.numel(), hidden_size=config.hidden_size,
                    q_size=config.q_size, kv_size=config.kv_size, num_layers=config.num_layers,
-                   shift=1 if model.logits_shifted else 0, elem_bytes=model.dtype.itemsize)
+                   shift=1 if model.logits_shifted else 0, elem_bytes=model.dtype.itemsize, layer_params=layer,
+                   kv_proj_params=2 * config.hidden_size * config.kv_size + kv_bias)
 
 
 @dataclass(frozen=True)
@@ -219,11 +230,14 @@ def step_shape(dims: ModelDims, batch: int, cache: str, kind: str, prompt_len: i
 
 
 def step_flops(dims: ModelDims, shape: StepShape) -> int:
-    """2 x params x tokens for the body, 2 x head x logit positions, 4 x Q x K x q_size per layer
-    for attention's two matmuls (the embedding is a lookup)."""
+    """2 x params x tokens, 4 x Q x K x q_size per layer for attention's two matmuls (the embedding is
+    a lookup). Every fed token goes through every layer but the last, where only its keys and values
+    are needed unless its logits are wanted: the last layer's queries, attention, MLP, the final norm
+    and the head run at the logit positions alone (what the engine computes)."""
     b = shape.batch
-    dense = 2 * dims.body_params * shape.fed * b + 2 * dims.head_params * shape.logits * b
-    attention = 4 * shape.fed * b * shape.keys * dims.q_size * dims.num_layers
+    every_fed = dims.body_params - dims.wanted_only_params
+    dense = 2 * b * (every_fed * shape.fed + (dims.wanted_only_params + dims.head_params) * shape.logits)
+    attention = 4 * b * shape.keys * dims.q_size * ((dims.num_layers - 1) * shape.fed + shape.logits)
     return dense + attention
 
 

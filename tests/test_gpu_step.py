@@ -31,12 +31,14 @@ def _load_bench():
 gpu_step = _load_bench()
 
 # hidden 8, 1 layer, 2 heads of 4, SwiGLU 16, vocabulary 32.
-# LLaDA, untied, no biases: qkv 8*24 + o 8*8 + gate|up 8*32 + down 16*8 + 2 norms 8 + final norm 8 = 664.
+# LLaDA, untied, no biases: qkv 8*24 + o 8*8 + gate|up 8*32 + down 16*8 + 2 norms 8 = 656 a layer, + final
+# norm 8 = 664; k and v projections 2 * 8*8 = 128.
 LLADA_DIMS = gpu_step.ModelDims(body_params=664, head_params=32 * 8, hidden_size=8, q_size=8, kv_size=8,
-                                num_layers=1, shift=0, elem_bytes=4)
-# Dream, 1 KV head of 4 (GQA), q/k/v biases: qkv 8*16 + 16 + o 64 + mlp 384 + norms 24 = 616.
+                                num_layers=1, shift=0, elem_bytes=4, layer_params=656, kv_proj_params=128)
+# Dream, 1 KV head of 4 (GQA), q/k/v biases: qkv 8*16 + 16 + o 64 + mlp 384 + norms 16 = 608 a layer, + final
+# norm 8 = 616; k and v projections 2 * (8*4 + 4) = 72.
 DREAM_DIMS = gpu_step.ModelDims(body_params=616, head_params=32 * 8, hidden_size=8, q_size=8, kv_size=4,
-                                num_layers=1, shift=1, elem_bytes=2)
+                                num_layers=1, shift=1, elem_bytes=2, layer_params=608, kv_proj_params=72)
 
 
 def _tiny_model(cls, hf: dict):
@@ -75,13 +77,16 @@ def test_flops_and_bytes_by_hand():
 
     full = shape("none", "full")
     assert (full.fed_tokens, full.keys, full.logits, full.kv_read) == (32, 16, 4, 0)
-    # body 2*664*32 + head at 8 logit positions 2*256*8 + attention 4*32 queries*16 keys*8*1 layer
-    assert gpu_step.step_flops(LLADA_DIMS, full) == 42496 + 4096 + 16384
+    # The one layer is the last: every fed token (32) through its k/v projections and nothing else,
+    # the rest of it (656 - 128), the final norm (8) and the head (256) at the 8 logit positions only:
+    # 2*128*32 + 2*(528 + 8 + 256)*8; attention: 4 * 8 queries (the logit positions) * 16 keys * 8 wide
+    assert gpu_step.step_flops(LLADA_DIMS, full) == 8192 + 12672 + 4096
     # (body + head + 32 looked-up embedding rows of 8) * 4 bytes; no cache
     assert gpu_step.step_bytes(LLADA_DIMS, full) == (664 + 256 + 256) * 4
 
     dual = shape("dual", "cached")
     assert dual.fed_tokens == 8
+    # every fed position is a logit position: the whole body and head at 8 tokens
     assert gpu_step.step_flops(LLADA_DIMS, dual) == 2 * 664 * 8 + 4096 + 4 * 8 * 16 * 8
     # + keys and values of 16 columns x 2 rows x 8 wide x 1 layer x 4 bytes
     assert gpu_step.step_bytes(LLADA_DIMS, dual) == (664 + 256 + 8 * 8) * 4 + 2 * 2 * 16 * 8 * 4
@@ -95,7 +100,8 @@ def test_flops_and_bytes_by_hand():
     dream_dual = shape("dual", "cached", DREAM_DIMS, batch=1)
     assert dream_dual.fed_tokens == 5
     assert shape("prefix", "cached", DREAM_DIMS, batch=1).fed_tokens == 9
-    assert gpu_step.step_flops(DREAM_DIMS, dream_dual) == 2 * 616 * 5 + 2 * 256 * 4 + 4 * 5 * 16 * 8
+    # the position before the block is fed for its keys and values (72 params) but is no logit position
+    assert gpu_step.step_flops(DREAM_DIMS, dream_dual) == 2 * 72 * 5 + 2 * (616 - 72 + 256) * 4 + 4 * 4 * 16 * 8
     assert gpu_step.step_bytes(DREAM_DIMS, dream_dual) == (616 + 256 + 5 * 8) * 2 + 2 * 16 * 4 * 2
 
 
