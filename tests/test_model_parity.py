@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine import load_model
+from engine.models.kv_cache import CacheWrite, KVStore
 from engine.models.transformer import positions_from_attention_mask
 
 ATOL = 1e-4
@@ -94,3 +95,37 @@ def test_low_precision_loads_and_tracks_float32(fixtures, dtype):
 
 def test_dtype_accepts_names(fixtures):
     assert load_model(fixtures / "dream_tiny", dtype="bf16").dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("name", ["llada", "dream"])
+def test_logits_at_some_positions_are_the_full_forwards_and_write_the_same_cache(name, llada_model, dream_model):
+    """`logits_at` makes the last layer compute the wanted positions alone (past its keys and
+    values): the logits there, and every layer's keys and values written to a cache, are the full
+    forward's, with a padding mask, as [B, K] indices and as the first K positions."""
+    model = llada_model if name == "llada" else dream_model
+    config = model.config
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 200, (3, 20), generator=gen)
+    mask = torch.ones(3, 20, dtype=torch.long)
+    mask[1, 15:] = 0
+    at = torch.tensor([[3, 4, 5, 19], [0, 7, 14, 2], [18, 17, 1, 0]])
+
+    def store() -> KVStore:
+        return KVStore.empty(config.num_layers, 3, config.num_kv_heads, 20, config.head_dim, model.dtype,
+                             model.device)
+
+    def forward(logits_at, cache_store):
+        write = CacheWrite(cache_store, torch.arange(20).expand(3, 20), attend_to_cache=False)
+        with torch.no_grad():
+            return model(ids, attention_mask=mask, cache=write, logits_at=logits_at)
+
+    full_store, some_store, first_store = store(), store(), store()
+    full = forward(None, full_store)
+    some = forward(at, some_store)
+    first = forward(6, first_store)
+    assert some.shape == (3, 4, config.vocab_size) and first.shape == (3, 6, config.vocab_size)
+    torch.testing.assert_close(some, full.gather(1, at[..., None].expand(-1, -1, full.shape[-1])), atol=1e-5, rtol=0)
+    torch.testing.assert_close(first, full[:, :6], atol=1e-5, rtol=0)
+    for cached in (some_store, first_store):
+        for ours, ref in zip(cached.keys + cached.values, full_store.keys + full_store.values, strict=True):
+            assert torch.equal(ours, ref)
