@@ -5,8 +5,9 @@ into the engine's parts by timing the calls `Engine.step` makes (wrapped, not co
 engine as it is): admission (`ModelRunner.admit`, `DecodeState.admit`), `StepRows.build`,
 `ModelRunner.run` less its forwards (building the forwards' inputs), the decide step
 (`decide_step`), the commit and the step's one read, and the scheduler's postprocess. Medians and
-means over the steps of a run of `--requests` CAI requests (the bundled llada-tiny, chat-free random prompts
-of 64 tokens, 128 generated in blocks of 32), `--batch` rows at a time.
+means over the steps of a run of `--requests` requests (CAI, or `--policy`; the bundled llada-tiny,
+chat-free random prompts of 64 tokens, 128 generated in blocks of 32), `--batch` rows at a time.
+With `--policy fixed` (one token a step) most steps are dual-cache steps of the whole batch.
 
     python bench/step_phases.py --threads 2
     python bench/step_phases.py --threads 2 --compile-decide
@@ -48,10 +49,10 @@ class PhaseClock:
         return timed
 
 
-def run(batch: int, requests: int, compile_decide: bool) -> tuple[dict[str, tuple[float, float]], int]:
+def run(batch: int, requests: int, compile_decide: bool, policy: str) -> tuple[dict[str, tuple[float, float]], int]:
     model = load_model(REPO / "models" / "llada-tiny")
     eng = Engine.from_model(model, max_batch=batch, compile_decide=compile_decide)
-    params = DecodeParams(policy="cai", gen_length=128, block_length=32, steps=128, cache="dual",
+    params = DecodeParams(policy=policy, gen_length=128, block_length=32, steps=128, cache="dual",
                           refresh_interval=16, early_exit=False)
     generator = torch.Generator().manual_seed(1)
     for _ in range(requests):
@@ -103,12 +104,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--requests", type=int, default=80)
     parser.add_argument("--compile-decide", action="store_true", help="EngineConfig.compile_decide")
+    parser.add_argument("--policy", default="cai", help="fixed: one token a step, so most steps are dual-cache steps")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    medians, steps = run(args.batch, args.requests, args.compile_decide)
+    medians, steps = run(args.batch, args.requests, args.compile_decide, args.policy)
     flags = " --compile-decide" if args.compile_decide else ""
+    flags += f" --policy {args.policy}" if args.policy != "cai" else ""
     print(f"# {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, CPU; bundled "
-          f"llada-tiny, CAI + dual, batch {args.batch}, {args.requests} requests, {steps} steps after 3 warm-up")
+          f"llada-tiny, {args.policy} + dual, batch {args.batch}, {args.requests} requests, {steps} steps after 3 "
+          f"warm-up")
     print(f"# command: python bench/step_phases.py --threads {args.threads} --batch {args.batch} "
           f"--requests {args.requests}{flags}")
     print(f"{'part':32s} {'median ms':>9s} {'mean ms':>8s}")
