@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -87,6 +87,33 @@ def step_fields(request: Request) -> list[int]:
             request.length, request.prompt_len, request.block * request.steps_per_block + request.step]
 
 
+class Columns(Mapping[str, torch.Tensor]):
+    """The named columns of a [B, k] tensor, each a view made when first read: a step reads a few of
+    a table's columns, and unbinding all of them every step costs more than selecting those."""
+
+    def __init__(self, index: dict[str, int], table: torch.Tensor) -> None:
+        self._index = index
+        self._table = table
+        self._views: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        view = self._views.get(name)
+        if view is None:
+            view = self._views[name] = self._table[:, self._index[name]]
+        return view
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+
+_FLOAT_INDEX = {name: k for k, name in enumerate(_FLOAT_KNOBS)}
+_INT_INDEX = {name: k for k, name in enumerate(_INT_KNOBS)}
+_BOOL_INDEX = {name: k for k, name in enumerate(_BOOL_KNOBS)}
+_FIELD_INDEX = {name: k for k, name in enumerate(STEP_FIELDS)}
+
 # -------------------------------------------------------------------------------------- registry
 
 
@@ -99,9 +126,9 @@ class Batch:
     step: torch.Tensor
     block: torch.Tensor
     quota: torch.Tensor
-    f: dict[str, torch.Tensor]  # float knobs by name
-    i: dict[str, torch.Tensor]  # integer knobs by name
-    b: dict[str, torch.Tensor]  # boolean knobs by name
+    f: Mapping[str, torch.Tensor]  # float knobs by name
+    i: Mapping[str, torch.Tensor]  # integer knobs by name
+    b: Mapping[str, torch.Tensor]  # boolean knobs by name
     first_conf: torch.Tensor  # [B, W] Box 2's s_i as stored so far
     low_yield: torch.Tensor  # [B]
     schedule: Optional[CaiSchedule]  # when a row of the step decodes with CAI
@@ -117,7 +144,8 @@ class CaiSchedule:
     tiers: P.BudgetTiers  # Box 5's budgets by confidence case
 
 
-def cai_knobs(f: dict[str, torch.Tensor], i: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> P.CaiKnobs:
+def cai_knobs(f: Mapping[str, torch.Tensor], i: Mapping[str, torch.Tensor],
+              b: Mapping[str, torch.Tensor]) -> P.CaiKnobs:
     return P.CaiKnobs(theta_s=f["theta_s"], theta_e=f["theta_e"], warmup=f["warmup"],
                       block_schedule=b["block_schedule"], block_decay=f["block_decay"], stretch=b["stretch"],
                       position_factors=b["position_factors"], budgets=b["budgets"], grinding=b["grinding"],
@@ -331,9 +359,7 @@ def decide_tensors(knobs_f: torch.Tensor, knobs_i: torch.Tensor, knobs_b: torch.
     """The decide step on the rows' tensors (knobs, CAI state and schedule gathered by slot): tensors
     in, tensors out, so that it can be compiled. Returns (new tokens, summary, CAI's s_i, CAI's counter).
     With `logprob_k` >= 0 the summary also carries every block position's logprobs (`LogprobColumns`)."""
-    f = dict(zip(_FLOAT_KNOBS, knobs_f.unbind(1), strict=True))
-    i = dict(zip(_INT_KNOBS, knobs_i.unbind(1), strict=True))
-    b = dict(zip(_BOOL_KNOBS, knobs_b.unbind(1), strict=True))
+    f, i, b = Columns(_FLOAT_INDEX, knobs_f), Columns(_INT_INDEX, knobs_i), Columns(_BOOL_INDEX, knobs_b)
     raw_logits = logits
     if max_top_k > 0 or any_top_p:
         logits = filter_top_k_top_p(logits, i["top_k"], f["top_p"], max_top_k=max_top_k, any_top_p=any_top_p)
@@ -344,7 +370,7 @@ def decide_tensors(knobs_f: torch.Tensor, knobs_i: torch.Tensor, knobs_b: torch.
     conf = confidence(logits, x0, i["conf_kind"], kinds)
     candidates = (block_tokens == mask_id) & in_block
     width = block_tokens.shape[1]
-    column = dict(zip(STEP_FIELDS, fields.unbind(1), strict=True))
+    column = Columns(_FIELD_INDEX, fields)
     step = column["step"]
     batch = Batch(conf=conf, candidates=candidates, step=step, block=column["block"], quota=column["quota"], f=f,
                   i=i, b=b, first_conf=first_conf, low_yield=low_yield, schedule=schedule)
