@@ -172,9 +172,9 @@ class ModelRunner:
             # the store's last column is past every canvas: the static forward's scratch column
             ids, positions, write_index = self._cached_inputs(fields, query_length, self.store.width - 1,
                                                               through_end)
-            at = torch.where(in_block, self._arange[None, :width], 0)
             return self.dual_graphs.forward(self.store, fields[:, STEP_FIELDS.index("slot")],
-                                            max(r.slot for r in requests), ids, positions, write_index, at)
+                                            max(r.slot for r in requests), ids, positions, write_index,
+                                            self._block_queries(in_block, width))
         # Attention spans the longest canvas of these rows, plus a scratch column past it that
         # query-only positions write to and no row attends (the store is wider: not read here).
         scratch = max(r.length for r in requests)
@@ -191,8 +191,13 @@ class ModelRunner:
         # query j of a row is its block's position j (past its block: a position never read), so the
         # logits are the first `width` queries' as they stand, a slice rather than a gather, unless
         # these rows' blocks are all narrower than the step's widest
-        at = width if query_length >= width else torch.where(in_block, self._arange[None, :width], 0)
+        at = width if query_length >= width else self._block_queries(in_block, width)
         return self.model(ids, position_ids=positions, cache=cache, logits_at=at)
+
+    def _block_queries(self, in_block: torch.Tensor, width: int) -> torch.Tensor:
+        """[B, width] the query index of each block position in a cached forward (0 past a row's
+        block: a position never read)."""
+        return torch.where(in_block, self._arange[None, :width], 0)
 
     def _cached_inputs(self, fields: torch.Tensor, query_length: int, scratch: int,
                        through_end: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -304,10 +304,10 @@ class StepRows:
     commit_first: bool
     logprob_k: int  # top alternatives to report (the most any row asks); -1: no row wants logprobs
     in_slot_order: bool  # row b holds slot b: slot-indexed state is read and written as slices
-    columns: tuple[torch.Tensor, ...] = ()  # fields' columns, as views made once (fields.unbind(1))
+    columns: Columns = field(init=False)  # fields' columns by name, each a view made when first read
 
     def __post_init__(self) -> None:
-        self.columns = self.fields.unbind(1)
+        self.columns = Columns(_FIELD_INDEX, self.fields)
 
     @classmethod
     def build(cls, requests: Sequence[Request], device: torch.device) -> StepRows:
@@ -325,7 +325,7 @@ class StepRows:
                    in_slot_order=all(r.slot == b for b, r in enumerate(requests)))
 
     def column(self, name: str) -> torch.Tensor:
-        return self.columns[STEP_FIELDS.index(name)]
+        return self.columns[name]
 
 
 def decide_step(state: DecodeState, rows: StepRows, logits: torch.Tensor, block_tokens: torch.Tensor,

@@ -36,7 +36,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # the fused kernel computes what the lines below do in float32, bit for bit
+            # PyTorch's kernel for the formula below (float32 in and out; bit for bit on CPU, where the
+            # parity and golden tests run)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Both official models normalise in float32 and cast back *before* scaling by the weight.
         xf = x.float()
