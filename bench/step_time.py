@@ -52,8 +52,8 @@ class FullForwardCounter:
     def __init__(self, runner: object) -> None:
         self.count = 0
         self._runner = runner
-        self._full = runner._forward_full  # type: ignore[attr-defined]
-        runner._forward_full = self  # type: ignore[attr-defined]
+        self._full = runner._prepare_full  # type: ignore[attr-defined]
+        runner._prepare_full = self  # type: ignore[attr-defined]
 
     def __call__(self, *args, **kwargs):
         self.count += 1

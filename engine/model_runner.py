@@ -16,7 +16,8 @@ This is the one place for speed tricks; the decisions (engine.decoding.decide) a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,7 +27,7 @@ from engine.decoding.decide import STEP_FIELDS, StepRows
 from engine.dual_graphs import DualStepGraphs
 from engine.models.kv_cache import CacheWrite, KVStore
 from engine.models.transformer import DiffusionTransformer
-from engine.request import FORWARD_DUAL, FORWARD_FULL, FORWARD_PREFIX, Request
+from engine.request import FORWARD_DUAL, FORWARD_FULL, FORWARD_PREFIX, Request, slot_slice
 
 
 @dataclass
@@ -38,6 +39,10 @@ class StepInputs:
     in_block: torch.Tensor  # [B, W] position inside the row's block
     positions: torch.Tensor  # [B, W] canvas index of each block position
     fed_tokens: list[int]  # tokens each row fed to the model this step
+
+
+# Bound on the index tensors and store views a runner keeps for reuse (cleared when reached).
+_ROW_INDEX_CACHE = 256
 
 
 class ModelRunner:
@@ -53,10 +58,13 @@ class ModelRunner:
         self.max_batch = max_batch
         self.canvas = torch.full((max_batch, 1), self.pad_id, dtype=torch.long, device=self.device)
         self._arange = torch.arange(2, device=self.device)
+        self._row_indices: dict[tuple[int, ...], torch.Tensor] = {}
+        self._store_views: dict[tuple[Optional[int], Optional[int], int], KVStore] = {}
         config = model.config
         self.store = KVStore.empty(config.num_layers, max_batch, config.num_kv_heads, 2, config.head_dim,
                                    model.dtype, self.device)
         self.store.key_mask[:, 0] = True  # a free slot's dummy row still attends to something
+        self._views_of = self.store
 
     # ------------------------------------------------------------------------------ slots
 
@@ -81,11 +89,10 @@ class ModelRunner:
     def run(self, rows: StepRows) -> StepInputs:
         requests = rows.requests
         width = rows.width
-        slots = rows.column("slot")
         p = self._arange[:width]
         positions = rows.column("block_start")[:, None] + p
         in_block = p[None, :] < rows.column("block_length")[:, None]
-        block_tokens = self.canvas[slots[:, None], positions]
+        block_tokens = self._canvas_at(rows.slot_rows, rows.fields, positions)
 
         by_kind: dict[str, list[int]] = {}
         for b, request in enumerate(requests):
@@ -93,16 +100,19 @@ class ModelRunner:
         fed = [0] * len(requests)
         if len(by_kind) == 1:
             [(kind, indices)] = by_kind.items()
-            logits = self._forward(kind, requests, rows.fields, in_block, width)
+            logits = self._prepare(kind, requests, rows.fields, in_block, positions, width)()
         else:
-            parts, order = [], []
+            # Every kind's inputs are built first and the forwards then run back to back: host work
+            # placed between two forwards would run with the caches the first has just flushed.
+            prepared = []
             for kind, indices in by_kind.items():
-                index = torch.tensor(indices, dtype=torch.long).to(self.device, non_blocking=True)
-                parts.append(self._forward(kind, [requests[b] for b in indices], rows.fields[index],
-                                           in_block[index], width))
-                order.extend(indices)
-            inverse = torch.tensor(sorted(range(len(order)), key=order.__getitem__), dtype=torch.long)
-            logits = torch.cat(parts)[inverse.to(self.device, non_blocking=True)]
+                index = self._row_index(tuple(indices))
+                prepared.append((index, self._prepare(kind, [requests[b] for b in indices], rows.fields[index],
+                                                      in_block[index], positions[index], width)))
+            parts = [(index, forward()) for index, forward in prepared]
+            logits = parts[0][1].new_empty((len(requests), *parts[0][1].shape[1:]))
+            for index, part in parts:  # each kind's logits straight to its rows
+                logits.index_copy_(0, index, part)
         for kind, indices in by_kind.items():
             for b in indices:
                 fed[b] = self._fed_tokens(requests[b], kind)
@@ -110,7 +120,28 @@ class ModelRunner:
 
     def commit(self, rows: StepRows, inputs: StepInputs, new_tokens: torch.Tensor) -> None:
         """Write each row's block back (positions past a row's block get their own value back)."""
-        self.canvas[rows.column("slot")[:, None], inputs.positions] = new_tokens
+        in_order = rows.slot_rows
+        if in_order is not None:
+            self.canvas[in_order].scatter_(1, inputs.positions, new_tokens)
+        else:
+            self.canvas[rows.column("slot")[:, None], inputs.positions] = new_tokens
+
+    def _canvas_at(self, in_order: Optional[slice], fields: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        """[B, K] the canvas of each row at `columns` [B, K]: a gather from a slice of the buffer
+        when the rows hold consecutive slots in order (`in_order`), else an index by slot."""
+        if in_order is not None:
+            return self.canvas[in_order].gather(1, columns)
+        return self.canvas[fields[:, STEP_FIELDS.index("slot"), None], columns]
+
+    def _row_index(self, indices: tuple[int, ...]) -> torch.Tensor:
+        """The rows `indices` of a step as a device tensor, made once per distinct set (a batch's
+        rows split into the same few sets step after step)."""
+        index = self._row_indices.get(indices)
+        if index is None:
+            if len(self._row_indices) >= _ROW_INDEX_CACHE:
+                self._row_indices.clear()
+            index = self._row_indices[indices] = torch.tensor(indices, dtype=torch.long).to(self.device)
+        return index
 
     # ------------------------------------------------------------------------------ forwards
 
@@ -121,22 +152,28 @@ class ModelRunner:
             return request.block_length + self.shift
         return request.length - request.block_start + self.shift
 
-    def _forward(self, kind: str, requests: Sequence[Request], fields: torch.Tensor, in_block: torch.Tensor,
-                 width: int) -> torch.Tensor:
+    def _prepare(self, kind: str, requests: Sequence[Request], fields: torch.Tensor, in_block: torch.Tensor,
+                 positions: torch.Tensor, width: int) -> Callable[[], torch.Tensor]:
+        """The rows' forward of `kind` with its inputs built: called, it runs and returns the logits."""
         if kind == FORWARD_FULL:
-            return self._forward_full(requests, fields, in_block, width)
-        return self._forward_cached(requests, fields, in_block, width, through_end=kind == FORWARD_PREFIX)
+            return self._prepare_full(requests, fields, in_block, positions, width)
+        return self._prepare_cached(requests, fields, in_block, width, through_end=kind == FORWARD_PREFIX)
 
-    def _forward_full(self, requests: Sequence[Request], fields: torch.Tensor, in_block: torch.Tensor,
-                      width: int) -> torch.Tensor:
+    def _prepare_full(self, requests: Sequence[Request], fields: torch.Tensor, in_block: torch.Tensor,
+                      block_positions: torch.Tensor, width: int) -> Callable[[], torch.Tensor]:
         """Every row's whole canvas; rows with a KV cache write its keys/values into their slot."""
         model = self.model
         length = max(r.length for r in requests)
         slots = fields[:, STEP_FIELDS.index("slot")]
-        ids = self.canvas[slots, :length]
-        key_mask = self._arange[None, :length] < fields[:, STEP_FIELDS.index("length"), None]
-        at = fields[:, STEP_FIELDS.index("block_start"), None] - self.shift + self._arange[None, :width]
-        at = torch.where(in_block, at, 0)
+        in_order = slot_slice(requests)
+        # the store's key mask of a slot is its canvas's real positions (ModelRunner.admit)
+        if in_order is not None:
+            ids, key_mask = self.canvas[in_order, :length], self.store.key_mask[in_order, :length]
+        else:
+            ids, key_mask = self.canvas[slots, :length], self.store.key_mask[slots, :length]
+        at = block_positions - self.shift if self.shift else block_positions
+        if any(r.block_length < width for r in requests):  # past a narrower block: a position never read
+            at = torch.where(in_block, at, 0)
         guided = [b for b, r in enumerate(requests) if r.params.cfg_scale > 0]
         if guided:  # LLaDA classifier-free guidance: the same canvas with the prompt masked
             index = torch.tensor(guided, dtype=torch.long).to(self.device, non_blocking=True)
@@ -150,19 +187,24 @@ class ModelRunner:
             # a guided row has no cache (cfg needs cache "none"): its unconditional twin may write its slot too
             rows = torch.cat([slots, slots[index]]) if guided else slots
             cache = CacheWrite(self.store, positions, rows=rows, attend_to_cache=False)
-        logits = model(ids, attention_mask=key_mask, position_ids=positions, cache=cache, logits_at=at)
-        if guided:
-            n = len(requests)
+        if not guided:
+            return functools.partial(model, ids, attention_mask=key_mask, position_ids=positions, cache=cache,
+                                     logits_at=at)
+        n = len(requests)
+        scale = torch.tensor([requests[b].params.cfg_scale for b in guided], dtype=model.dtype)
+        scale = scale.to(self.device, non_blocking=True)[:, None, None]
+
+        def guided_forward() -> torch.Tensor:
+            logits = model(ids, attention_mask=key_mask, position_ids=positions, cache=cache, logits_at=at)
             conditional = logits[:n].clone()
-            scale = torch.tensor([requests[b].params.cfg_scale for b in guided], dtype=logits.dtype)
-            scale = scale.to(self.device, non_blocking=True)[:, None, None]
             unconditional = logits[n:]
             conditional[index] = unconditional + (scale + 1) * (conditional[index] - unconditional)
-            logits = conditional
-        return logits
+            return conditional
 
-    def _forward_cached(self, requests: Sequence[Request], fields: torch.Tensor, in_block: torch.Tensor,
-                        width: int, through_end: bool) -> torch.Tensor:
+        return guided_forward
+
+    def _prepare_cached(self, requests: Sequence[Request], fields: torch.Tensor, in_block: torch.Tensor,
+                        width: int, through_end: bool) -> Callable[[], torch.Tensor]:
         """Feed each row's block (dual) or block and everything after it (prefix); the other
         positions' keys/values come from the row's slot of the store."""
         shift = self.shift
@@ -170,54 +212,78 @@ class ModelRunner:
                            for r in requests)
         if self.dual_graphs is not None and not through_end:
             # the store's last column is past every canvas: the static forward's scratch column
-            ids, positions, write_index = self._cached_inputs(fields, query_length, self.store.width - 1,
+            ids, positions, write_index = self._cached_inputs(requests, fields, query_length, self.store.width - 1,
                                                               through_end)
-            return self.dual_graphs.forward(self.store, fields[:, STEP_FIELDS.index("slot")],
-                                            max(r.slot for r in requests), ids, positions, write_index,
-                                            self._block_queries(in_block, width))
+            return functools.partial(self.dual_graphs.forward, self.store, fields[:, STEP_FIELDS.index("slot")],
+                                     max(r.slot for r in requests), ids, positions, write_index,
+                                     self._block_queries(in_block, width))
         # Attention spans the longest canvas of these rows, plus a scratch column past it that
         # query-only positions write to and no row attends (the store is wider: not read here).
         scratch = max(r.length for r in requests)
-        ids, positions, write_index = self._cached_inputs(fields, query_length, scratch, through_end)
-        span = max(r.slot for r in requests) + 1
-        in_slot_order = span == len(requests) and all(r.slot == b for b, r in enumerate(requests))
-        rows = slice(None, span) if in_slot_order else slice(None)
-        store = KVStore(keys=[k[rows, :, :scratch + 1] for k in self.store.keys],
-                        values=[v[rows, :, :scratch + 1] for v in self.store.values],
-                        key_mask=self.store.key_mask[rows, :scratch + 1])
-        # in slot order the rows are the store's first rows: attend over a view of them; otherwise
+        ids, positions, write_index = self._cached_inputs(requests, fields, query_length, scratch, through_end)
+        in_order = slot_slice(requests)
+        store = self._store_view(in_order, scratch + 1)
+        # rows of consecutive slots in order are a slice of the store: attend over a view of it; otherwise
         # each layer reads the rows out of the store (a copy of those rows)
-        cache = CacheWrite(store, write_index, rows=None if in_slot_order else fields[:, STEP_FIELDS.index("slot")])
+        slots = None if in_order is not None else fields[:, STEP_FIELDS.index("slot")]
+        cache = CacheWrite(store, write_index, rows=slots)
         # query j of a row is its block's position j (past its block: a position never read), so the
         # logits are the first `width` queries' as they stand, a slice rather than a gather, unless
         # these rows' blocks are all narrower than the step's widest
         at = width if query_length >= width else self._block_queries(in_block, width)
-        return self.model(ids, position_ids=positions, cache=cache, logits_at=at)
+        return functools.partial(self.model, ids, position_ids=positions, cache=cache, logits_at=at)
+
+    def _store_view(self, rows: Optional[slice], columns: int) -> KVStore:
+        """The store's `rows` (every row: None) and first `columns` columns, as views made once per
+        shape: a batch's cached forwards ask for the same view step after step."""
+        if self._views_of is not self.store or len(self._store_views) >= _ROW_INDEX_CACHE:
+            self._store_views.clear()  # views of a store that has since grown, or too many kept
+            self._views_of = self.store
+        key = (None, None, columns) if rows is None else (rows.start, rows.stop, columns)
+        view = self._store_views.get(key)
+        if view is None:
+            r = slice(None) if rows is None else rows
+            view = self._store_views[key] = KVStore(keys=[k[r, :, :columns] for k in self.store.keys],
+                                                    values=[v[r, :, :columns] for v in self.store.values],
+                                                    key_mask=self.store.key_mask[r, :columns])
+        return view
 
     def _block_queries(self, in_block: torch.Tensor, width: int) -> torch.Tensor:
         """[B, width] the query index of each block position in a cached forward (0 past a row's
         block: a position never read)."""
         return torch.where(in_block, self._arange[None, :width], 0)
 
-    def _cached_inputs(self, fields: torch.Tensor, query_length: int, scratch: int,
+    def _cached_inputs(self, requests: Sequence[Request], fields: torch.Tensor, query_length: int, scratch: int,
                        through_end: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A cached forward's (ids, positions, write_index) for rows `fields`: query j of a
         row is canvas position block_start - shift + j while inside its span, else a mask that
         writes its key/value to column `scratch`, past every canvas of these rows."""
         shift = self.shift
         first = fields[:, STEP_FIELDS.index("block_start"), None] - shift
-        if through_end:
-            end = fields[:, STEP_FIELDS.index("length"), None]
-        else:
-            end = first + shift + fields[:, STEP_FIELDS.index("block_length"), None]
         j = self._arange[None, :query_length]
         source = first + j
-        valid = source < end
-        slots = fields[:, STEP_FIELDS.index("slot")]
-        ids = torch.where(valid, self.canvas[slots[:, None], source.clamp(max=self.canvas.shape[1] - 1)],
-                          self.mask_id)
-        positions = torch.where(valid, source, 0)
+        spans = [(r.length if through_end else r.block_start + r.block_length) - r.block_start + shift
+                 for r in requests]
+        if all(span == query_length for span in spans):
+            # every row feeds all its queries (blocks of one length: the usual batch)
+            ids = self._canvas_at(slot_slice(requests), fields, source)
+            positions = source
+            valid = None
+        else:
+            if through_end:
+                end = fields[:, STEP_FIELDS.index("length"), None]
+            else:
+                end = first + shift + fields[:, STEP_FIELDS.index("block_length"), None]
+            valid = source < end
+            inside = source.clamp(max=self.canvas.shape[1] - 1)
+            ids = torch.where(valid, self._canvas_at(slot_slice(requests), fields, inside), self.mask_id)
+            positions = torch.where(valid, source, 0)
         # The extra position before the block (Dream) is only a query: its cached key/value stay
         # from the last full forward, as every other position outside the fed span.
-        write_index = torch.where(valid & (j >= shift), source, scratch)
+        if valid is None and not shift:
+            write_index = source
+        else:
+            written = j >= shift if valid is None else valid & (j >= shift)
+            write_index = torch.where(written, source, scratch)
         return ids, positions, write_index
+

@@ -9,6 +9,7 @@ updated from the one summary a step transfers back, so no field needs a device r
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -132,3 +133,15 @@ class Request:
 
     def first_end(self) -> Optional[int]:
         return next((i for i, t in enumerate(self.generated) if t in self.end_ids), None)
+
+
+def slot_slice(requests: Sequence[Request]) -> Optional[slice]:
+    """The slots of `requests` as a slice when they are consecutive and in order (a full batch, which
+    the scheduler keeps sorted, or what is left of one), else None: slot-indexed buffers are then
+    read and written through views rather than gathers and scatters."""
+    if not requests:
+        return None
+    first = requests[0].slot
+    if all(r.slot == first + b for b, r in enumerate(requests)):
+        return slice(first, first + len(requests))
+    return None

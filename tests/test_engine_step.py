@@ -74,7 +74,7 @@ def test_rows_in_slot_order_decide_as_gathered_rows(llada_model):
     for request in admitted:
         state.admit(request)
     rows = StepRows.build(engine.scheduler.running, llada_model.device)
-    assert rows.in_slot_order
+    assert rows.slot_rows == slice(0, 4)
     states = {True: state, False: copy.deepcopy(state)}
     mask_id = llada_model.special.mask_id
     end_ids = torch.tensor(llada_model.special.end_ids)
@@ -84,7 +84,8 @@ def test_rows_in_slot_order_decide_as_gathered_rows(llada_model):
         logits = torch.randn(4, 8, llada_model.config.vocab_size, generator=generator) * 4
         out = {}
         for flag, decode_state in states.items():
-            step_rows = dataclasses.replace(rows, in_slot_order=flag, fields=rows.fields.clone())
+            step_rows = dataclasses.replace(rows, slot_rows=rows.slot_rows if flag else None,
+                                            fields=rows.fields.clone())
             step_rows.fields[:, STEP_FIELDS.index("step")] = step
             step_rows.fields[:, STEP_FIELDS.index("schedule_step")] = step  # every row is in its first block
             out[flag] = decide_step(decode_state, step_rows, logits, blocks[flag], torch.ones(4, 8, dtype=torch.bool),

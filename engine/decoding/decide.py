@@ -10,7 +10,7 @@ low-yield counter) and the per-request knobs are slot-indexed tensors, written o
 takes a slot, so a step gathers them with one index and never reads a device value back on its own.
 The step ends with one tensor holding, per row, its counters and its block's tokens, which the
 scheduler transfers to the host once. `decide_tensors` is the whole step as a function of tensors
-(and host-known flags), which `EngineConfig.compile_decide` compiles into fused kernels.
+(by name, and host-known flags), which `EngineConfig.compile_decide` compiles into fused kernels.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from engine.decoding.sampling import (
     predict,
     token_logprobs,
 )
-from engine.request import Request
+from engine.request import Request, slot_slice
 
 # ----------------------------------------------------------------------------------------- knobs
 
@@ -140,8 +140,9 @@ class CaiSchedule:
     when the request takes its slot (DecodeState.admit) and gathered for the step's rows."""
 
     theta_block: torch.Tensor  # [B] theta_b(t), Boxes 3-4
-    quarter: torch.Tensor  # [B, W] quarter of the block of each position (Boxes 5-6)
-    tiers: P.BudgetTiers  # Box 5's budgets by confidence case
+    factors: P.PositionFactors  # Box 6's position factors and clip
+    tiers: P.BudgetTiers  # Box 5's budgets by confidence case (NEVER without budgets)
+    knobs: P.CaiStepKnobs  # what the step reads of the knobs, switches folded in
 
 
 def cai_knobs(f: Mapping[str, torch.Tensor], i: Mapping[str, torch.Tensor],
@@ -182,8 +183,8 @@ def decide_cai(batch: Batch) -> Decision:
     assert schedule is not None, "a CAI row's step gathers its schedule (decide_step)"
     first_conf = P.box2_first_step_confidence(batch.conf, batch.first_conf, batch.step)
     out = P.cai_commit(batch.conf, batch.candidates, batch.step, batch.i["steps_per_block"], schedule.theta_block,
-                       schedule.quarter, schedule.tiers, P.CaiState(first_conf=first_conf, low_yield=batch.low_yield),
-                       cai_knobs(batch.f, batch.i, batch.b))
+                       schedule.factors, schedule.tiers, P.CaiState(first_conf=first_conf, low_yield=batch.low_yield),
+                       schedule.knobs)
     return Decision(out.commit, out.forced, first_conf, out.low_yield, out.grinding_exit)
 
 
@@ -209,8 +210,28 @@ SUMMARY_COLUMNS = ("committed", "still_masked", "forced", "band_high", "band_low
                    "first_masked")
 
 
+# CaiStepKnobs as slot tables: float and integer columns.
+_CAI_STEP_FLOATS = ("eta", "eta_denominator", "fallback_floor")
+_CAI_STEP_INTS = ("patience", "min_commit")
+
+
+@dataclass(frozen=True)
+class SlotRows:
+    """Views of DecodeState's tables at a step's rows: what the decide step reads of its rows besides
+    the theta_b(t) of their step."""
+
+    f: Mapping[str, torch.Tensor]  # float knobs by name
+    i: Mapping[str, torch.Tensor]  # integer knobs by name
+    b: Mapping[str, torch.Tensor]  # boolean knobs by name
+    first_conf: torch.Tensor  # [B, W]
+    low_yield: torch.Tensor  # [B]
+    factors: P.PositionFactors
+    tiers: P.BudgetTiers
+    cai_knobs: P.CaiStepKnobs
+
+
 class DecodeState:
-    """Slot-indexed device tensors: request knobs and CAI's per-row state."""
+    """Slot-indexed device tensors: request knobs, CAI's per-request tables and per-row state."""
 
     def __init__(self, max_batch: int, device: torch.device, compile_decide: bool = False) -> None:
         self.device = device
@@ -226,61 +247,120 @@ class DecodeState:
         # CAI's per-request tables (CaiSchedule), so that a step computes none of it. Past a row's
         # block, positions are never candidates: what the tables hold there is never read.
         self.theta_schedule = torch.zeros(max_batch, 1, device=device)  # [slot, block * T + t]
-        self.quarter = torch.zeros(max_batch, self.width, dtype=torch.long, device=device)
+        self.position_factor = torch.ones(max_batch, self.width, device=device)
+        self.threshold_clip = torch.zeros(max_batch, 2, device=device)  # Box 6's clip: low, high
         self.tier_confident = torch.zeros(max_batch, self.width, dtype=torch.long, device=device)
         self.tier_middle = torch.zeros(max_batch, self.width, dtype=torch.long, device=device)
         self.tier_unsure = torch.zeros(max_batch, 1, dtype=torch.long, device=device)
+        self.cai_knobs_f = torch.zeros(max_batch, len(_CAI_STEP_FLOATS), device=device)
+        self.cai_knobs_i = torch.zeros(max_batch, len(_CAI_STEP_INTS), dtype=torch.long, device=device)
+        # SlotRows of slot ranges, made once: the tables are written in place, so views stay valid
+        # until a table is replaced by a wider one (then they are dropped)
+        self._views: dict[tuple[int, int, int], SlotRows] = {}
 
     def admit(self, request: Request) -> None:
         """Write a request's knobs and CAI tables into its slot (host-to-device, once per request)."""
         if request.block_length > self.width:
-            self.first_conf, self.quarter, self.tier_confident, self.tier_middle = (
+            self.first_conf, self.position_factor, self.tier_confident, self.tier_middle = (
                 _widened(t, request.block_length)
-                for t in (self.first_conf, self.quarter, self.tier_confident, self.tier_middle))
+                for t in (self.first_conf, self.position_factor, self.tier_confident, self.tier_middle))
             self.width = request.block_length
+            self._views.clear()
         total_steps = request.num_blocks * request.steps_per_block
         if total_steps > self.theta_schedule.shape[1]:
             self.theta_schedule = _widened(self.theta_schedule, total_steps)
         slot = request.slot
         floats, ints, bools = _float_knobs(request), _int_knobs(request), _bool_knobs(request)
-        theta, quarter, confident, middle, unsure = _cai_tables(tuple(floats), tuple(ints), tuple(bools),
-                                                                 total_steps)
+        tables = _cai_tables(tuple(floats), tuple(ints), tuple(bools), total_steps)
         width = request.block_length
         device = self.device
         self.knobs_f[slot] = torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True)
         self.knobs_i[slot] = torch.tensor(ints, dtype=torch.long).to(device, non_blocking=True)
         self.knobs_b[slot] = torch.tensor(bools, dtype=torch.bool).to(device, non_blocking=True)
         self.low_yield[slot] = 0
-        self.theta_schedule[slot, :total_steps] = theta.to(device, non_blocking=True)
-        self.quarter[slot, :width] = quarter.to(device, non_blocking=True)
-        self.tier_confident[slot, :width] = confident.to(device, non_blocking=True)
-        self.tier_middle[slot, :width] = middle.to(device, non_blocking=True)
-        self.tier_unsure[slot] = unsure.to(device, non_blocking=True)
+        self.theta_schedule[slot, :total_steps] = tables.theta.to(device, non_blocking=True)
+        self.position_factor[slot, :width] = tables.factor.to(device, non_blocking=True)
+        self.threshold_clip[slot] = tables.clip.to(device, non_blocking=True)
+        self.tier_confident[slot, :width] = tables.confident.to(device, non_blocking=True)
+        self.tier_middle[slot, :width] = tables.middle.to(device, non_blocking=True)
+        self.tier_unsure[slot] = tables.unsure.to(device, non_blocking=True)
+        self.cai_knobs_f[slot] = tables.step_floats.to(device, non_blocking=True)
+        self.cai_knobs_i[slot] = tables.step_ints.to(device, non_blocking=True)
 
-    def cai_schedule(self, rows: StepRows, rows_of: slice | torch.Tensor, width: int) -> CaiSchedule:
-        """The step's rows' CaiSchedule: gathers only."""
-        theta_block = self.theta_schedule[rows.column("slot"), rows.column("schedule_step")]
-        return CaiSchedule(theta_block, self.quarter[rows_of, :width],
-                           P.BudgetTiers(self.tier_confident[rows_of, :width], self.tier_middle[rows_of, :width],
-                                         self.tier_unsure[rows_of]))
+    def rows(self, rows_of: slice | torch.Tensor, width: int) -> SlotRows:
+        """The tables at a step's rows: a slot range's views are made once and kept; rows gathered by
+        slot index are read anew each step."""
+        if isinstance(rows_of, slice):
+            key = (rows_of.start, rows_of.stop, width)
+            view = self._views.get(key)
+            if view is None:
+                if len(self._views) >= _VIEW_CACHE:
+                    self._views.clear()
+                view = self._views[key] = self._slot_rows(rows_of, width)
+            return view
+        return self._slot_rows(rows_of, width)
+
+    def _slot_rows(self, rows_of: slice | torch.Tensor, width: int) -> SlotRows:
+        clip = self.threshold_clip[rows_of]
+        step_f = Columns({name: k for k, name in enumerate(_CAI_STEP_FLOATS)}, self.cai_knobs_f[rows_of])
+        step_i = Columns({name: k for k, name in enumerate(_CAI_STEP_INTS)}, self.cai_knobs_i[rows_of])
+        return SlotRows(
+            f=Columns(_FLOAT_INDEX, self.knobs_f[rows_of]), i=Columns(_INT_INDEX, self.knobs_i[rows_of]),
+            b=Columns(_BOOL_INDEX, self.knobs_b[rows_of]), first_conf=self.first_conf[rows_of, :width],
+            low_yield=self.low_yield[rows_of],
+            factors=P.PositionFactors(self.position_factor[rows_of, :width], clip[:, 0:1], clip[:, 1:2]),
+            tiers=P.BudgetTiers(self.tier_confident[rows_of, :width], self.tier_middle[rows_of, :width],
+                                self.tier_unsure[rows_of]),
+            cai_knobs=P.CaiStepKnobs(eta=step_f["eta"], eta_denominator=step_f["eta_denominator"],
+                                     patience=step_i["patience"], fallback_floor=step_f["fallback_floor"],
+                                     min_commit=step_i["min_commit"]))
+
+    def theta_block(self, rows: StepRows) -> torch.Tensor:
+        """[B] theta_b(t) of each row at its block and step (a gather)."""
+        return self.theta_schedule[rows.column("slot"), rows.column("schedule_step")]
+
+
+# Bound on the slot ranges whose views a DecodeState keeps (cleared when reached).
+_VIEW_CACHE = 256
+
+
+@dataclass(frozen=True)
+class CaiTables:
+    """A request's CaiSchedule tables, on the host."""
+
+    theta: torch.Tensor  # [total_steps] theta_b(t) for every (block, step)
+    factor: torch.Tensor  # [block_length] Box 6's r_pos
+    clip: torch.Tensor  # [2] Box 6's clip (low, high)
+    confident: torch.Tensor  # [block_length] Box 5's tiers
+    middle: torch.Tensor  # [block_length]
+    unsure: torch.Tensor  # [1]
+    step_floats: torch.Tensor  # [len(_CAI_STEP_FLOATS)] CaiStepKnobs
+    step_ints: torch.Tensor  # [len(_CAI_STEP_INTS)]
 
 
 @functools.lru_cache(maxsize=64)
 def _cai_tables(floats: tuple[float, ...], ints: tuple[int, ...], bools: tuple[bool, ...],
-                total_steps: int) -> tuple[torch.Tensor, ...]:
-    """A request's CaiSchedule tables, on the host: theta_b(t) for every (block, step) [total_steps],
-    its block's quarters and Box 5's tiers [block_length] and its largest budget [1]. Requests with
-    the same knobs share them (a server's requests mostly do), so admitting one is a few copies."""
+                total_steps: int) -> CaiTables:
+    """A request's CaiSchedule tables: what Algorithm 1 reads that depends on its knobs, block and
+    step alone. Requests with the same knobs share them (a server's requests mostly do), so
+    admitting one is a few copies."""
     f = {name: torch.tensor([v], dtype=torch.float32) for name, v in zip(_FLOAT_KNOBS, floats, strict=True)}
     i = {name: torch.tensor([v], dtype=torch.long) for name, v in zip(_INT_KNOBS, ints, strict=True)}
     b = {name: torch.tensor([v], dtype=torch.bool) for name, v in zip(_BOOL_KNOBS, bools, strict=True)}
+    knobs = cai_knobs(f, i, b)
     steps_per_block = i["steps_per_block"]
     every_step = torch.arange(total_steps)
     theta = P.block_threshold(every_step % steps_per_block, steps_per_block, every_step // steps_per_block,
-                              i["num_blocks"], cai_knobs(f, i, b))
+                              i["num_blocks"], knobs)
     quarter = P.block_quarter(ints[_INT_KNOBS.index("block_length")], i["block_length"])
-    tiers = P.budget_tiers(quarter, steps_per_block)
-    return theta, quarter[0], tiers.confident[0], tiers.middle[0], tiers.unsure[0]
+    factors = P.box6_position_factors(quarter, knobs.position_factors)
+    tiers = P.budget_tiers(quarter, steps_per_block, knobs.budgets)
+    step = P.cai_step_knobs(knobs)
+    step_floats = torch.cat([getattr(step, name) for name in _CAI_STEP_FLOATS])
+    step_ints = torch.cat([getattr(step, name) for name in _CAI_STEP_INTS])
+    return CaiTables(theta=theta, factor=factors.factor[0], clip=torch.cat([factors.low[0], factors.high[0]]),
+                     confident=tiers.confident[0], middle=tiers.middle[0], unsure=tiers.unsure[0],
+                     step_floats=step_floats.float(), step_ints=step_ints.long())
 
 
 def _widened(table: torch.Tensor, width: int) -> torch.Tensor:
@@ -303,7 +383,7 @@ class StepRows:
     any_min_p: bool
     commit_first: bool
     logprob_k: int  # top alternatives to report (the most any row asks); -1: no row wants logprobs
-    in_slot_order: bool  # row b holds slot b: slot-indexed state is read and written as slices
+    slot_rows: Optional[slice]  # the rows' slots as a slice when consecutive (request.slot_slice), else None
     columns: Columns = field(init=False)  # fields' columns by name, each a view made when first read
 
     def __post_init__(self) -> None:
@@ -322,7 +402,7 @@ class StepRows:
                    commit_first=any(row[5] for row in rows),
                    logprob_k=max((r.params.logprobs for r in requests if r.params.logprobs is not None),
                                  default=-1),
-                   in_slot_order=all(r.slot == b for b, r in enumerate(requests)))
+                   slot_rows=slot_slice(requests))
 
     def column(self, name: str) -> torch.Tensor:
         return self.columns[name]
@@ -333,33 +413,40 @@ def decide_step(state: DecodeState, rows: StepRows, logits: torch.Tensor, block_
     """Predict, decide and commit for every row. Returns (the block's new tokens [B, W], the summary
     [B, len(SUMMARY_COLUMNS) + W] whose host copy is the step's one device-to-host transfer)."""
     # A full batch is in slot order (the scheduler keeps it sorted): slices, not gathers and scatters
-    rows_of = slice(None, len(rows.requests)) if rows.in_slot_order else rows.column("slot")
+    rows_of = rows.slot_rows if rows.slot_rows is not None else rows.column("slot")
     width = block_tokens.shape[1]
-    # Rows that sample draw from their own generators, which stay outside a compiled graph.
-    decide = state.compiled if state.compiled is not None and not rows.sampled else decide_tensors
-    schedule = state.cai_schedule(rows, rows_of, width) if "cai" in rows.policies else None
-    new_tokens, summary, first_conf, low_yield = decide(
-        state.knobs_f[rows_of], state.knobs_i[rows_of], state.knobs_b[rows_of], state.first_conf[rows_of, :width],
-        state.low_yield[rows_of], logits, block_tokens, in_block, rows.fields, end_ids, mask_id, rows.policies,
-        tuple(rows.sampled), rows.max_top_k, rows.any_top_p, rows.any_min_p, rows.commit_first, rows.logprob_k,
-        schedule)
+    slot_rows = state.rows(rows_of, width)
+    schedule = None
+    if "cai" in rows.policies:
+        schedule = CaiSchedule(state.theta_block(rows), slot_rows.factors, slot_rows.tiers, slot_rows.cai_knobs)
+    args = (slot_rows.first_conf, slot_rows.low_yield, logits, block_tokens, in_block, end_ids, mask_id,
+            rows.policies, tuple(rows.sampled), rows.max_top_k, rows.any_top_p, rows.any_min_p, rows.commit_first,
+            rows.logprob_k, schedule)
+    if state.compiled is not None and not rows.sampled:
+        # Rows that sample draw from their own generators, which stay outside a compiled graph; the
+        # compiled step takes plain dicts of the columns
+        new_tokens, summary, first_conf, low_yield = state.compiled(
+            dict(slot_rows.f), dict(slot_rows.i), dict(slot_rows.b), dict(rows.columns), *args)
+    else:
+        new_tokens, summary, first_conf, low_yield = decide_tensors(slot_rows.f, slot_rows.i, slot_rows.b,
+                                                                    rows.columns, *args)
     if "cai" in rows.policies:
         state.first_conf[rows_of, :width] = first_conf
         state.low_yield[rows_of] = low_yield
     return new_tokens, summary
 
 
-def decide_tensors(knobs_f: torch.Tensor, knobs_i: torch.Tensor, knobs_b: torch.Tensor, first_conf: torch.Tensor,
-                   low_yield: torch.Tensor, logits: torch.Tensor, block_tokens: torch.Tensor, in_block: torch.Tensor,
-                   fields: torch.Tensor, end_ids: torch.Tensor, mask_id: int, policies: frozenset[str],
-                   sampled: tuple[tuple[int, torch.Generator, float], ...], max_top_k: int, any_top_p: bool,
-                   any_min_p: bool, commit_first: bool, logprob_k: int = -1,
+def decide_tensors(f: Mapping[str, torch.Tensor], i: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor],
+                   column: Mapping[str, torch.Tensor], first_conf: torch.Tensor, low_yield: torch.Tensor,
+                   logits: torch.Tensor, block_tokens: torch.Tensor, in_block: torch.Tensor, end_ids: torch.Tensor,
+                   mask_id: int, policies: frozenset[str], sampled: tuple[tuple[int, torch.Generator, float], ...],
+                   max_top_k: int, any_top_p: bool, any_min_p: bool, commit_first: bool, logprob_k: int = -1,
                    schedule: Optional[CaiSchedule] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                     torch.Tensor]:
-    """The decide step on the rows' tensors (knobs, CAI state and schedule gathered by slot): tensors
-    in, tensors out, so that it can be compiled. Returns (new tokens, summary, CAI's s_i, CAI's counter).
-    With `logprob_k` >= 0 the summary also carries every block position's logprobs (`LogprobColumns`)."""
-    f, i, b = Columns(_FLOAT_INDEX, knobs_f), Columns(_INT_INDEX, knobs_i), Columns(_BOOL_INDEX, knobs_b)
+    """The decide step on the rows' tensors (knobs by name, step fields by name, CAI state and
+    schedule at the rows): tensors in, tensors out, so that it can be compiled. Returns (new tokens,
+    summary, CAI's s_i, CAI's counter). With `logprob_k` >= 0 the summary also carries every block
+    position's logprobs (`LogprobColumns`)."""
     raw_logits = logits
     if max_top_k > 0 or any_top_p:
         logits = filter_top_k_top_p(logits, i["top_k"], f["top_p"], max_top_k=max_top_k, any_top_p=any_top_p)
@@ -370,11 +457,9 @@ def decide_tensors(knobs_f: torch.Tensor, knobs_i: torch.Tensor, knobs_b: torch.
     conf = confidence(logits, x0, i["conf_kind"], kinds)
     candidates = (block_tokens == mask_id) & in_block
     width = block_tokens.shape[1]
-    column = Columns(_FIELD_INDEX, fields)
     step = column["step"]
     batch = Batch(conf=conf, candidates=candidates, step=step, block=column["block"], quota=column["quota"], f=f,
                   i=i, b=b, first_conf=first_conf, low_yield=low_yield, schedule=schedule)
-
     decided: dict[DecideFn, Decision] = {}
     for name in sorted(policies):
         policy = POLICIES[name]
@@ -410,7 +495,7 @@ def decide_tensors(knobs_f: torch.Tensor, knobs_i: torch.Tensor, knobs_b: torch.
 
     new_tokens = torch.where(commit, x0, block_tokens)
     still_masked = (new_tokens == mask_id) & in_block
-    position = torch.arange(width, device=conf.device)
+    position = P.device_constant(f"arange {width}", tuple(range(width)), conf.device)
     # first still-masked position, and first end token with no mask before it (width: none)
     first_masked = torch.where(still_masked, position, width).amin(dim=1)
     is_end = torch.isin(new_tokens, end_ids) & in_block & (position < first_masked[:, None])

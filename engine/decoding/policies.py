@@ -39,6 +39,8 @@ POSITION_FACTORS = (0.80, 0.90, 1.05, 1.10)  # Box 6, quarters of the block
 TOKEN_THRESHOLD_CLIP = (0.20, 0.98)  # Box 6
 BUDGET_STEPS = (8, 32, 64)  # Box 5 (token budgets), in steps of a 64-step block
 CONF_HIGH, CONF_LOW = 0.50, 0.25  # Box 5 budget tiers; also the telemetry bands
+# A step count no row reaches: a budget or a patience that is switched off (int64 tensors hold it).
+NEVER = torch.iinfo(torch.long).max
 
 
 def rank_in_row(score: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
@@ -136,12 +138,28 @@ def block_quarter(width: int, block_length: torch.Tensor) -> torch.Tensor:
     return (p * 4 // block_length[:, None]).clamp(max=3)
 
 
-def box6_position_thresholds(theta_block: torch.Tensor, quarter: torch.Tensor, enabled: torch.Tensor) -> torch.Tensor:
-    """Box 6: theta_i = clip(theta_b * r_pos(i), 0.20, 0.98); theta_b itself when disabled."""
+@dataclass
+class PositionFactors:
+    """Box 6's r_pos(i) of each position of a row's block and the clip of theta_i, fixed per request.
+    Switched off, r_pos is 1 and the clip open, so theta_i is theta_b itself."""
+
+    factor: torch.Tensor  # [B, W] r_pos(i) by the position's quarter
+    low: torch.Tensor  # [B, 1] 0.20 (off: -inf)
+    high: torch.Tensor  # [B, 1] 0.98 (off: +inf)
+
+
+def box6_position_factors(quarter: torch.Tensor, enabled: torch.Tensor) -> PositionFactors:
+    """Box 6's position factors r_pos = 0.80 / 0.90 / 1.05 / 1.10 by quarter and its clip [0.20, 0.98]."""
     factors = device_constant("position_factors", POSITION_FACTORS, quarter.device)[quarter]
+    on = enabled[:, None]
     low, high = TOKEN_THRESHOLD_CLIP
-    positional = (theta_block[:, None] * factors).clamp(low, high)
-    return torch.where(enabled[:, None], positional, theta_block[:, None])
+    return PositionFactors(torch.where(on, factors, 1.0), torch.where(on, low, -math.inf),
+                           torch.where(on, high, math.inf))
+
+
+def box6_position_thresholds(theta_block: torch.Tensor, factors: PositionFactors) -> torch.Tensor:
+    """Box 6: theta_i = clip(theta_b * r_pos(i), 0.20, 0.98); theta_b itself when disabled."""
+    return (theta_block[:, None] * factors.factor).clamp(factors.low, factors.high)
 
 
 def budget_levels(steps_per_block: torch.Tensor) -> torch.Tensor:
@@ -160,10 +178,11 @@ class BudgetTiers:
     unsure: torch.Tensor  # [B, 1] s < 0.25: 64
 
 
-def budget_tiers(quarter: torch.Tensor, steps_per_block: torch.Tensor) -> BudgetTiers:
+def budget_tiers(quarter: torch.Tensor, steps_per_block: torch.Tensor, enabled: torch.Tensor) -> BudgetTiers:
     """Box 5's cases in order (8 if s > 0.5 and p < 32; 64 if s < 0.25 or p >= 48; else 32), split
-    by the confidence case: what is left to decide at a step is which case s_i falls in."""
-    levels = budget_levels(steps_per_block)
+    by the confidence case: what is left to decide at a step is which case s_i falls in. A row
+    without budgets (`enabled` False: gating off) gets budgets it never reaches (NEVER)."""
+    levels = torch.where(enabled[:, None], budget_levels(steps_per_block), NEVER)
     small, mid, big = levels[:, 0:1], levels[:, 1:2], levels[:, 2:3]
     middle = torch.where(quarter >= 3, big, mid)
     return BudgetTiers(confident=torch.where(quarter < 2, small, middle), middle=middle, unsure=big)
@@ -205,6 +224,27 @@ class CaiKnobs:
 
 
 @dataclass
+class CaiStepKnobs:
+    """What the per-step part of Algorithm 1 (`cai_commit`) reads of a row's knobs [B], with the
+    switches folded into values (`cai_step_knobs`), so a step tests no switch."""
+
+    eta: torch.Tensor  # Box 7's eta_bar
+    eta_denominator: torch.Tensor  # tokens eta is a fraction of
+    patience: torch.Tensor  # Box 7's K; NEVER when the detector is off
+    fallback_floor: torch.Tensor  # a grinding exit commits the tokens above it: theta_fb, -inf with `fill`
+    min_commit: torch.Tensor
+
+
+def cai_step_knobs(knobs: CaiKnobs) -> CaiStepKnobs:
+    """Fold the grinding switches into values: a detector that is off has a patience never reached;
+    `fill` commits every remaining token, as a floor below any confidence."""
+    return CaiStepKnobs(eta=knobs.eta, eta_denominator=knobs.eta_denominator,
+                        patience=torch.where(knobs.grinding, knobs.patience, NEVER),
+                        fallback_floor=torch.where(knobs.grinding_fill, -math.inf, knobs.theta_fb),
+                        min_commit=knobs.min_commit)
+
+
+@dataclass
 class CaiDecision:
     commit: torch.Tensor  # [B, W]
     forced: torch.Tensor  # [B, W] committed below the token's threshold (budget, grinding, block end)
@@ -220,26 +260,25 @@ def box2_first_step_confidence(conf: torch.Tensor, stored: torch.Tensor, step: t
 
 
 def box6_position_aware_commit(conf: torch.Tensor, candidates: torch.Tensor, thresholds: torch.Tensor,
-                               budgets: torch.Tensor, step: torch.Tensor,
-                               budgets_on: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Box 6's commit rule: c_i >= theta_i(t), or t >= B_i where the budgets (gating) are on.
+                               budgets: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Box 6's commit rule: c_i >= theta_i(t), or t >= B_i (budgets are NEVER where gating is off).
     Returns (committed by threshold, committed by budget only)."""
     by_threshold = candidates & (conf >= thresholds)
-    by_budget = candidates & budgets_on[:, None] & (step[:, None] >= budgets) & ~by_threshold
+    by_budget = candidates & (step[:, None] >= budgets) & ~by_threshold
     return by_threshold, by_budget
 
 
 def box7_grinding_phase_detector(committed: torch.Tensor, low_yield: torch.Tensor, eta_bar: torch.Tensor,
-                                 length: torch.Tensor, patience: torch.Tensor,
-                                 enabled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Box 7: eta = newly committed / L; K consecutive steps with eta < eta_bar fire the detector.
-    Returns (the counter l after this step, fired). The counter restarts when the detector fires.
+                                 length: torch.Tensor, patience: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Box 7: eta = newly committed / L; K = `patience` consecutive steps with eta < eta_bar fire the
+    detector (a detector that is off has a patience of NEVER). Returns (the counter l after this
+    step, fired). The counter restarts when the detector fires.
 
     DECISION: L is the generation length by default (the "sequence" being decoded);
     `eta_denominator=block` uses the block length."""
     eta = committed.float() / length
     counter = torch.where(eta < eta_bar, low_yield + 1, 0)
-    fired = enabled & (counter >= patience)
+    fired = counter >= patience
     return torch.where(fired, 0, counter), fired
 
 
@@ -258,39 +297,36 @@ def cai_step(conf: torch.Tensor, candidates: torch.Tensor, step: torch.Tensor, s
     """One step of Algorithm 1 for every row (its lines 10-29); `state.first_conf` is Box 2's s_i."""
     theta_block = block_threshold(step, steps_per_block, block_index, num_blocks, knobs)
     quarter = block_quarter(conf.shape[1], block_length)
-    return cai_commit(conf, candidates, step, steps_per_block, theta_block, quarter,
-                      budget_tiers(quarter, steps_per_block), state, knobs)
+    return cai_commit(conf, candidates, step, steps_per_block, theta_block,
+                      box6_position_factors(quarter, knobs.position_factors),
+                      budget_tiers(quarter, steps_per_block, knobs.budgets), state, cai_step_knobs(knobs))
 
 
 def cai_commit(conf: torch.Tensor, candidates: torch.Tensor, step: torch.Tensor, steps_per_block: torch.Tensor,
-               theta_block: torch.Tensor, quarter: torch.Tensor, tiers: BudgetTiers, state: CaiState,
-               knobs: CaiKnobs) -> CaiDecision:
-    """`cai_step` given what depends on a row's request, block and step alone (theta_b(t), the
-    positions' quarters, Box 5's tiers): the part of Algorithm 1 that needs this step's confidences."""
-    thresholds = box6_position_thresholds(theta_block, quarter, knobs.position_factors)
+               theta_block: torch.Tensor, factors: PositionFactors, tiers: BudgetTiers, state: CaiState,
+               knobs: CaiStepKnobs) -> CaiDecision:
+    """`cai_step` given what depends on a row's request, block and step alone (theta_b(t), Box 6's
+    position factors, Box 5's tiers): the part of Algorithm 1 that needs this step's confidences."""
+    thresholds = box6_position_thresholds(theta_block, factors)
     budgets = box5_token_budget(state.first_conf, tiers)
-    by_threshold, by_budget = box6_position_aware_commit(conf, candidates, thresholds, budgets, step, knobs.budgets)
+    by_threshold, by_budget = box6_position_aware_commit(conf, candidates, thresholds, budgets, step)
     commit = by_threshold | by_budget
 
     # DECISION (a step that commits nothing): with min_commit=1 the best candidate is committed, as
     # in Fast-dLLM, so every forward makes progress; min_commit=0 follows Algorithm 1 literally.
-    nothing = ~commit.any(dim=1) & candidates.any(dim=1) & (knobs.min_commit > 0)
-    best = best_candidate(conf, candidates)
-    commit = commit | (best & nothing[:, None])
+    # (A row without candidates has no best candidate.)
+    nothing = ~commit.any(dim=1) & (knobs.min_commit > 0)
+    commit = commit | (best_candidate(conf, candidates) & nothing[:, None])
 
     low_yield, grinding_exit = box7_grinding_phase_detector(commit.sum(dim=1), state.low_yield, knobs.eta,
-                                                            knobs.eta_denominator, knobs.patience, knobs.grinding)
+                                                            knobs.eta_denominator, knobs.patience)
     remaining = candidates & ~commit
-    by_grinding = remaining & grinding_exit[:, None] & (conf > knobs.theta_fb[:, None])
-    # DECISION (tokens left at a grinding exit): `continue` keeps decoding them, with the counter
-    # reset; `fill` ends the block now, committing them with their current prediction.
-    by_grinding |= remaining & (grinding_exit & knobs.grinding_fill)[:, None]
-    commit = commit | by_grinding
-
+    # DECISION (tokens left at a grinding exit): `continue` commits those above theta_fb and keeps
+    # decoding the others, with the counter reset; `fill` ends the block now, committing them all
+    # with their current prediction (a floor of -inf).
+    by_grinding = remaining & grinding_exit[:, None] & (conf > knobs.fallback_floor[:, None])
     # DECISION (a block never ends with masks): at the block's last step every token still masked
     # is committed with its current prediction.
     last = step >= steps_per_block - 1
-    by_block_end = candidates & ~commit & last[:, None]
-    commit = commit | by_block_end
-    forced = by_budget | by_grinding | by_block_end
-    return CaiDecision(commit, forced, low_yield, grinding_exit, thresholds, budgets)
+    late = by_grinding | (remaining & last[:, None])
+    return CaiDecision(commit | late, by_budget | late, low_yield, grinding_exit, thresholds, budgets)
