@@ -21,7 +21,7 @@ from typing import Any, Optional, Union
 import torch
 
 from engine.config import EngineConfig
-from engine.decoding.decide import DecodeState, LogprobColumns, StepRows, decide_step
+from engine.decoding.decide import BatchTraits, DecodeState, LogprobColumns, StepRows, decide_step
 from engine.decoding.params import DecodeParams, resolve_defaults
 from engine.decoding.types import GenerationRequest, GenerationResult
 from engine.dual_graphs import DualStepGraphs
@@ -76,6 +76,8 @@ class Engine:
         graphs = DualStepGraphs(self.model, self.max_batch, capture=True) if self.config.cuda_graphs else None
         self.runner = ModelRunner(self.model, self.max_batch, graphs)
         self.decode_state = DecodeState(self.max_batch, self.model.device, self.config.compile_decide)
+        self._device = self.model.device
+        self._traits: Optional[BatchTraits] = None  # the last step's, reused while the batch is the same
 
     @property
     def architecture(self) -> str:
@@ -142,13 +144,14 @@ class Engine:
         _, admitted = self.scheduler.schedule()
         rows = self.scheduler.running
         for request in admitted:
-            request.admit(request.slot, self.model.device)
+            request.admit(request.slot, self._device)
             self.runner.admit(request, rows)
             self.decode_state.admit(request)
         if not rows:
             return []
         rows = list(rows)
-        step_rows = StepRows.build(rows, self.model.device)
+        step_rows = StepRows.build(rows, self._device, self._traits)
+        self._traits = step_rows.traits
         inputs = self.runner.run(step_rows)
         new_tokens, summary = decide_step(self.decode_state, step_rows, inputs.logits, inputs.block_tokens,
                                           inputs.in_block, self.model.special.mask_id, self._end_ids)

@@ -16,6 +16,7 @@ This is the one place for speed tricks; the decisions (engine.decoding.decide) a
 
 from __future__ import annotations
 
+import array
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -79,8 +80,9 @@ class ModelRunner:
             self._arange = torch.arange(needed + 1, device=self.device)
         if needed + 1 > self.store.width:
             self.store = self.store.grown(needed + 1)
-        row = torch.tensor([*request.prompt_ids, *([self.mask_id] * request.gen_length)], dtype=torch.long)
-        self.canvas[request.slot, :request.length] = row.to(self.device, non_blocking=True)
+        prompt = torch.frombuffer(array.array("q", request.prompt_ids), dtype=torch.long)
+        self.canvas[request.slot, :request.prompt_len] = prompt.to(self.device, non_blocking=True)
+        self.canvas[request.slot, request.prompt_len:request.length] = self.mask_id
         self.store.key_mask[request.slot] = self._arange[:self.store.width] < request.length
 
     # ------------------------------------------------------------------------------ one step
@@ -95,9 +97,11 @@ class ModelRunner:
         block_tokens = self._canvas_at(rows.slot_rows, rows.fields, positions)
 
         by_kind: dict[str, list[int]] = {}
+        fed = []
         for b, request in enumerate(requests):
-            by_kind.setdefault(request.forward_kind(), []).append(b)
-        fed = [0] * len(requests)
+            kind = request.forward_kind()
+            by_kind.setdefault(kind, []).append(b)
+            fed.append(self._fed_tokens(request, kind))
         if len(by_kind) == 1:
             [(kind, indices)] = by_kind.items()
             logits = self._prepare(kind, requests, rows.fields, in_block, positions, width)()
@@ -107,15 +111,13 @@ class ModelRunner:
             prepared = []
             for kind, indices in by_kind.items():
                 index = self._row_index(tuple(indices))
-                prepared.append((index, self._prepare(kind, [requests[b] for b in indices], rows.fields[index],
-                                                      in_block[index], positions[index], width)))
-            parts = [(index, forward()) for index, forward in prepared]
-            logits = parts[0][1].new_empty((len(requests), *parts[0][1].shape[1:]))
-            for index, part in parts:  # each kind's logits straight to its rows
-                logits.index_copy_(0, index, part)
-        for kind, indices in by_kind.items():
-            for b in indices:
-                fed[b] = self._fed_tokens(requests[b], kind)
+                prepared.append(self._prepare(kind, [requests[b] for b in indices], rows.fields[index],
+                                              in_block[index], positions[index], width))
+            # back in row order after: row b's logits are at its place in the kinds' concatenation
+            order = [b for indices in by_kind.values() for b in indices]
+            inverse = self._row_index(tuple(sorted(range(len(order)), key=order.__getitem__)))
+            parts = [forward() for forward in prepared]
+            logits = torch.cat(parts).index_select(0, inverse)
         return StepInputs(logits.float(), block_tokens, in_block, positions, fed)
 
     def commit(self, rows: StepRows, inputs: StepInputs, new_tokens: torch.Tensor) -> None:

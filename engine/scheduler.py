@@ -153,7 +153,7 @@ class Scheduler:
             bands[1] += request.masked_now - info[_BAND_HIGH] - info[_BAND_LOW]
             bands[2] += info[_BAND_LOW]
         request.masked_now = info[_STILL_MASKED]
-        if request.params.stops_at_end and info[_END_POS] < width:
+        if request.params.stops_at_end and info[_END_POS] < info[_FIRST_MASKED]:  # an end token, no mask before it
             stats.steps_per_block.append(request.step + 1)
             end = offset + info[_END_POS]
             return self._result(request, FINISH_STOP, request.generated[:end + 1], end)

@@ -84,8 +84,8 @@ def test_rows_in_slot_order_decide_as_gathered_rows(llada_model):
         logits = torch.randn(4, 8, llada_model.config.vocab_size, generator=generator) * 4
         out = {}
         for flag, decode_state in states.items():
-            step_rows = dataclasses.replace(rows, slot_rows=rows.slot_rows if flag else None,
-                                            fields=rows.fields.clone())
+            traits = dataclasses.replace(rows.traits, slot_rows=rows.slot_rows if flag else None)
+            step_rows = dataclasses.replace(rows, traits=traits, fields=rows.fields.clone())
             step_rows.fields[:, STEP_FIELDS.index("step")] = step
             step_rows.fields[:, STEP_FIELDS.index("schedule_step")] = step  # every row is in its first block
             out[flag] = decide_step(decode_state, step_rows, logits, blocks[flag], torch.ones(4, 8, dtype=torch.bool),

@@ -15,6 +15,7 @@ scheduler transfers to the host once. `decide_tensors` is the whole step as a fu
 
 from __future__ import annotations
 
+import array
 import functools
 import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -204,8 +205,11 @@ POLICIES: dict[str, Policy] = {
     "dream-topk_margin": Policy(CONF_MARGIN, P.FAMILY_RANK, decide_rank),
 }
 
-# Summary columns before the block's tokens.
-# end_pos and first_masked are the block width when there is none.
+# Summary columns before the block's tokens. band_high and band_low count a block's first step's
+# candidates by confidence (0 in a step where no row is at its block's first step).
+# end_pos: the block's first end token; first_masked: its first masked position; each the block width
+# when there is none. An end token ends the row only with no mask before it (end_pos < first_masked),
+# which the host checks.
 SUMMARY_COLUMNS = ("committed", "still_masked", "forced", "band_high", "band_low", "grinding_exit", "end_pos",
                    "first_masked")
 
@@ -369,40 +373,97 @@ def _widened(table: torch.Tensor, width: int) -> torch.Tensor:
     return grown
 
 
+@dataclass(frozen=True)
+class BatchTraits:
+    """What the host knows of a step's rows that holds as long as the batch is the same requests:
+    made once per batch (`StepRows.build` reuses the last step's), not once per step."""
+
+    request_ids: tuple[str, ...]
+    width: int  # the widest block
+    policies: frozenset[str]
+    sampled: tuple[tuple[int, torch.Generator, float], ...]  # (row, generator, temperature) of sampling rows
+    max_top_k: int
+    any_top_p: bool
+    any_min_p: bool
+    logprob_k: int  # top alternatives to report (the most any row asks); -1: no row wants logprobs
+    slot_rows: Optional[slice]  # the rows' slots as a slice when consecutive (request.slot_slice), else None
+
+    @classmethod
+    def of(cls, requests: Sequence[Request], request_ids: tuple[str, ...]) -> BatchTraits:
+        return cls(request_ids=request_ids, width=max(r.block_length for r in requests),
+                   policies=frozenset(r.policy for r in requests),
+                   sampled=tuple((b, r.generator, r.params.temperature) for b, r in enumerate(requests)
+                                 if r.generator is not None),
+                   max_top_k=max(r.params.top_k_on for r in requests),
+                   any_top_p=any(r.params.top_p is not None and r.params.top_p < 1 for r in requests),
+                   any_min_p=any(bool(r.params.min_p) for r in requests),
+                   logprob_k=max((r.params.logprobs for r in requests if r.params.logprobs is not None),
+                                 default=-1),
+                   slot_rows=slot_slice(requests))
+
+
+_COMMIT_FIRST_FIELD = STEP_FIELDS.index("commit_first_only")
+
+
 @dataclass
 class StepRows:
     """The host's view of the rows in a step, fixed before the forward."""
 
     requests: Sequence[Request]
-    width: int  # the widest block
     fields: torch.Tensor  # [B, len(STEP_FIELDS)] on the device
-    policies: frozenset[str]
-    sampled: list[tuple[int, torch.Generator, float]]  # (row, generator, temperature) of sampling rows
-    max_top_k: int
-    any_top_p: bool
-    any_min_p: bool
+    traits: BatchTraits
     commit_first: bool
-    logprob_k: int  # top alternatives to report (the most any row asks); -1: no row wants logprobs
-    slot_rows: Optional[slice]  # the rows' slots as a slice when consecutive (request.slot_slice), else None
+    block_start: bool  # some row is at its block's first step
     columns: Columns = field(init=False)  # fields' columns by name, each a view made when first read
 
     def __post_init__(self) -> None:
         self.columns = Columns(_FIELD_INDEX, self.fields)
 
     @classmethod
-    def build(cls, requests: Sequence[Request], device: torch.device) -> StepRows:
+    def build(cls, requests: Sequence[Request], device: torch.device,
+              previous: Optional[BatchTraits] = None) -> StepRows:
+        """The step's rows; `previous` (the last step's traits) is reused when the rows are the same."""
         rows = [step_fields(r) for r in requests]
-        fields = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
-        sampled = [(b, r.generator, r.params.temperature) for b, r in enumerate(requests) if r.generator is not None]
-        return cls(requests=requests, width=max(r.block_length for r in requests), fields=fields,
-                   policies=frozenset(r.policy for r in requests), sampled=sampled,
-                   max_top_k=max(r.params.top_k_on for r in requests),
-                   any_top_p=any(r.params.top_p is not None and r.params.top_p < 1 for r in requests),
-                   any_min_p=any(bool(r.params.min_p) for r in requests),
-                   commit_first=any(row[5] for row in rows),
-                   logprob_k=max((r.params.logprobs for r in requests if r.params.logprobs is not None),
-                                 default=-1),
-                   slot_rows=slot_slice(requests))
+        flat = array.array("q", [value for row in rows for value in row])
+        fields = torch.frombuffer(flat, dtype=torch.long).view(len(rows), len(STEP_FIELDS))
+        request_ids = tuple(r.request_id for r in requests)
+        traits = previous if previous is not None and previous.request_ids == request_ids else (
+            BatchTraits.of(requests, request_ids))
+        return cls(requests=requests, fields=fields.to(device, non_blocking=True), traits=traits,
+                   commit_first=any(row[_COMMIT_FIRST_FIELD] for row in rows),
+                   block_start=any(r.step == 0 for r in requests))
+
+    @property
+    def width(self) -> int:
+        return self.traits.width
+
+    @property
+    def policies(self) -> frozenset[str]:
+        return self.traits.policies
+
+    @property
+    def sampled(self) -> tuple[tuple[int, torch.Generator, float], ...]:
+        return self.traits.sampled
+
+    @property
+    def max_top_k(self) -> int:
+        return self.traits.max_top_k
+
+    @property
+    def any_top_p(self) -> bool:
+        return self.traits.any_top_p
+
+    @property
+    def any_min_p(self) -> bool:
+        return self.traits.any_min_p
+
+    @property
+    def logprob_k(self) -> int:
+        return self.traits.logprob_k
+
+    @property
+    def slot_rows(self) -> Optional[slice]:
+        return self.traits.slot_rows
 
     def column(self, name: str) -> torch.Tensor:
         return self.columns[name]
@@ -420,8 +481,8 @@ def decide_step(state: DecodeState, rows: StepRows, logits: torch.Tensor, block_
     if "cai" in rows.policies:
         schedule = CaiSchedule(state.theta_block(rows), slot_rows.factors, slot_rows.tiers, slot_rows.cai_knobs)
     args = (slot_rows.first_conf, slot_rows.low_yield, logits, block_tokens, in_block, end_ids, mask_id,
-            rows.policies, tuple(rows.sampled), rows.max_top_k, rows.any_top_p, rows.any_min_p, rows.commit_first,
-            rows.logprob_k, schedule)
+            rows.policies, rows.sampled, rows.max_top_k, rows.any_top_p, rows.any_min_p, rows.commit_first,
+            rows.block_start, rows.logprob_k, schedule)
     if state.compiled is not None and not rows.sampled:
         # Rows that sample draw from their own generators, which stay outside a compiled graph; the
         # compiled step takes plain dicts of the columns
@@ -440,7 +501,8 @@ def decide_tensors(f: Mapping[str, torch.Tensor], i: Mapping[str, torch.Tensor],
                    column: Mapping[str, torch.Tensor], first_conf: torch.Tensor, low_yield: torch.Tensor,
                    logits: torch.Tensor, block_tokens: torch.Tensor, in_block: torch.Tensor, end_ids: torch.Tensor,
                    mask_id: int, policies: frozenset[str], sampled: tuple[tuple[int, torch.Generator, float], ...],
-                   max_top_k: int, any_top_p: bool, any_min_p: bool, commit_first: bool, logprob_k: int = -1,
+                   max_top_k: int, any_top_p: bool, any_min_p: bool, commit_first: bool, block_start: bool = True,
+                   logprob_k: int = -1,
                    schedule: Optional[CaiSchedule] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                     torch.Tensor]:
     """The decide step on the rows' tensors (knobs by name, step fields by name, CAI state and
@@ -494,22 +556,30 @@ def decide_tensors(f: Mapping[str, torch.Tensor], i: Mapping[str, torch.Tensor],
         commit = torch.where(first_only[:, None], first & candidates, commit)
 
     new_tokens = torch.where(commit, x0, block_tokens)
-    still_masked = (new_tokens == mask_id) & in_block
-    position = P.device_constant(f"arange {width}", tuple(range(width)), conf.device)
-    # first still-masked position, and first end token with no mask before it (width: none)
-    first_masked = torch.where(still_masked, position, width).amin(dim=1)
-    is_end = torch.isin(new_tokens, end_ids) & in_block & (position < first_masked[:, None])
-    end_pos = torch.where(is_end, position, width).amin(dim=1)
-    # the counted columns in one reduction; first-step confidence bands: above 0.5 and below 0.25
-    # (the host derives the middle band)
-    counts = torch.stack([commit, still_masked, forced, candidates & (conf > P.CONF_HIGH),
-                          candidates & (conf < P.CONF_LOW)], dim=1).sum(dim=2)
+    still_masked = candidates & ~commit  # a committed position holds a prediction, never the mask
+    position, none = P.block_positions(width, conf.device)
+    # first still-masked position and first end token (width: none)
+    first_masked = torch.where(still_masked, position, none).amin(dim=1)
+    end_pos = torch.where(torch.isin(new_tokens, end_ids) & in_block, position, none).amin(dim=1)
+    # the counted columns in one reduction; first-step confidence bands, which the host reads at a
+    # block's first step alone: above 0.5 and below 0.25 (the host derives the middle band)
+    if block_start:
+        bands = [candidates & (conf > P.CONF_HIGH), candidates & (conf < P.CONF_LOW)]
+    else:
+        bands = [_no_positions(candidates.shape, candidates.device)] * 2
+    counts = torch.stack([commit, still_masked, forced, *bands], dim=1).sum(dim=2)
     parts = [counts, torch.stack([grinding.long(), end_pos, first_masked], dim=1), new_tokens]
     if logprob_k >= 0:
         chosen, top_values, top_ids = token_logprobs(raw_logits, x0, logprob_k)
         batch_size = new_tokens.shape[0]
         parts += [float_bits(chosen), float_bits(top_values).reshape(batch_size, -1), top_ids.reshape(batch_size, -1)]
     return new_tokens, torch.cat(parts, dim=1), first_conf, low_yield
+
+
+@functools.lru_cache(maxsize=64)
+def _no_positions(shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """An all-False [B, W] mask, made once per shape (read, never written)."""
+    return torch.zeros(shape, dtype=torch.bool, device=device)
 
 
 def float_bits(values: torch.Tensor) -> torch.Tensor:

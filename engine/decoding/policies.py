@@ -18,6 +18,7 @@ Families:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -55,11 +56,19 @@ def commit_best(score: torch.Tensor, candidates: torch.Tensor, quota: torch.Tens
     return candidates & (rank_in_row(score, candidates) < quota[:, None])
 
 
+@functools.lru_cache(maxsize=64)
+def block_positions(width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """([width] 0..width-1, the 0-dim `width`: "no position") on `device`, made once per width: a step
+    compares positions several times, and a Python number would become a tensor at each operation."""
+    positions = torch.arange(width + 1, device=device)
+    return positions[:width], positions[width]
+
+
 def best_candidate(score: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
     """The best candidate of each row (the first on ties, as `commit_best` with a quota of 1); none
     in a row without candidates. One argmax instead of two sorts."""
     best = score.masked_fill(~candidates, NEG_INF).argmax(dim=-1, keepdim=True)
-    return torch.zeros_like(candidates).scatter_(1, best, True) & candidates
+    return candidates & (block_positions(score.shape[1], score.device)[0] == best)
 
 
 def fixed_quota(masked_at_block_start: int, steps_per_block: int, step: int) -> int:
@@ -276,7 +285,7 @@ def box7_grinding_phase_detector(committed: torch.Tensor, low_yield: torch.Tenso
 
     DECISION: L is the generation length by default (the "sequence" being decoded);
     `eta_denominator=block` uses the block length."""
-    eta = committed.float() / length
+    eta = committed / length  # float32: the count converts exactly
     counter = torch.where(eta < eta_bar, low_yield + 1, 0)
     fired = counter >= patience
     return torch.where(fired, 0, counter), fired
