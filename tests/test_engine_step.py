@@ -96,6 +96,41 @@ def test_rows_in_slot_order_decide_as_gathered_rows(llada_model):
         assert torch.equal(states[True].low_yield, states[False].low_yield)
 
 
+def test_slot_ranges_are_slices_and_gaps_are_not():
+    from types import SimpleNamespace
+
+    from engine.request import slot_slice
+
+    def rows(*slots):
+        return [SimpleNamespace(slot=s) for s in slots]
+
+    assert slot_slice(rows(0, 1, 2, 3)) == slice(0, 4)
+    assert slot_slice(rows(2, 3, 4)) == slice(2, 5)  # what is left of a batch whose first rows finished
+    assert slot_slice(rows(5)) == slice(5, 6)
+    assert slot_slice(rows(1, 3, 5)) is None
+    assert slot_slice(rows(1, 0)) is None  # out of order
+    assert slot_slice([]) is None
+
+
+def test_batch_traits_are_reused_only_for_the_same_rows(llada_model):
+    """StepRows.build keeps the last step's host traits while the batch is the same requests, and
+    makes new ones when a row joins or leaves (the traits hold the rows' slots and policies)."""
+    from engine.decoding.decide import StepRows
+
+    engine = Engine.from_model(llada_model, max_batch=4)
+    for i, policy in enumerate(("cai", "threshold", "fixed")):
+        engine.add_request([1 + i, 2, 3], DecodeParams(policy=policy, gen_length=16, block_length=8))
+    engine.scheduler.schedule()
+    running = list(engine.scheduler.running)
+    first = StepRows.build(running, llada_model.device)
+    again = StepRows.build(running, llada_model.device, first.traits)
+    assert again.traits is first.traits
+    fewer = StepRows.build(running[1:], llada_model.device, first.traits)
+    assert fewer.traits is not first.traits
+    assert fewer.policies == frozenset({"threshold", "fixed"}) and fewer.slot_rows == slice(1, 3)
+    assert fewer.fields.shape[0] == 2
+
+
 def test_cai_reads_its_tabulated_schedule_as_cai_step_computes_it(llada_model):
     """The engine tabulates theta_b(t), the quarters and Box 5's tiers once per request; at any
     block and step, with any stored s_i and counter, it commits what `cai_step` decides from scratch."""
