@@ -110,8 +110,14 @@ class Columns(Mapping[str, torch.Tensor]):
         return len(self._index)
 
 
-_FLOAT_INDEX = {name: k for k, name in enumerate(_FLOAT_KNOBS)}
-_INT_INDEX = {name: k for k, name in enumerate(_INT_KNOBS)}
+# Columns the knob tables carry past the request's knobs: what CAI reads at a step of a request's
+# knobs with their switches folded in (CaiStepKnobs, Box 6's clip, Box 5's largest budget),
+# derived once per request (_cai_tables) so that admitting one is a copy per table.
+_DERIVED_FLOATS = ("fallback_floor", "clip_low", "clip_high")
+_DERIVED_INTS = ("grinding_patience", "budget_unsure")
+
+_FLOAT_INDEX = {name: k for k, name in enumerate(_FLOAT_KNOBS + _DERIVED_FLOATS)}
+_INT_INDEX = {name: k for k, name in enumerate(_INT_KNOBS + _DERIVED_INTS)}
 _BOOL_INDEX = {name: k for k, name in enumerate(_BOOL_KNOBS)}
 _FIELD_INDEX = {name: k for k, name in enumerate(STEP_FIELDS)}
 
@@ -214,11 +220,6 @@ SUMMARY_COLUMNS = ("committed", "still_masked", "forced", "band_high", "band_low
                    "first_masked")
 
 
-# CaiStepKnobs as slot tables: float and integer columns.
-_CAI_STEP_FLOATS = ("eta", "eta_denominator", "fallback_floor")
-_CAI_STEP_INTS = ("patience", "min_commit")
-
-
 @dataclass(frozen=True)
 class SlotRows:
     """Views of DecodeState's tables at a step's rows: what the decide step reads of its rows besides
@@ -243,21 +244,17 @@ class DecodeState:
         # Compiling costs seconds per new batch shape family, hence a switch (EngineConfig).
         self.compiled = torch.compile(decide_tensors, dynamic=True) if compile_decide else None
         self.width = 1
-        self.knobs_f = torch.zeros(max_batch, len(_FLOAT_KNOBS), device=device)
-        self.knobs_i = torch.zeros(max_batch, len(_INT_KNOBS), dtype=torch.long, device=device)
+        self.knobs_f = torch.zeros(max_batch, len(_FLOAT_INDEX), device=device)
+        self.knobs_i = torch.zeros(max_batch, len(_INT_INDEX), dtype=torch.long, device=device)
         self.knobs_b = torch.zeros(max_batch, len(_BOOL_KNOBS), dtype=torch.bool, device=device)
         self.first_conf = torch.zeros(max_batch, self.width, device=device)
         self.low_yield = torch.zeros(max_batch, dtype=torch.long, device=device)
         # CAI's per-request tables (CaiSchedule), so that a step computes none of it. Past a row's
         # block, positions are never candidates: what the tables hold there is never read.
         self.theta_schedule = torch.zeros(max_batch, 1, device=device)  # [slot, block * T + t]
-        self.position_factor = torch.ones(max_batch, self.width, device=device)
-        self.threshold_clip = torch.zeros(max_batch, 2, device=device)  # Box 6's clip: low, high
-        self.tier_confident = torch.zeros(max_batch, self.width, dtype=torch.long, device=device)
+        self.position_factor = torch.ones(max_batch, self.width, device=device)  # Box 6's r_pos
+        self.tier_confident = torch.zeros(max_batch, self.width, dtype=torch.long, device=device)  # Box 5
         self.tier_middle = torch.zeros(max_batch, self.width, dtype=torch.long, device=device)
-        self.tier_unsure = torch.zeros(max_batch, 1, dtype=torch.long, device=device)
-        self.cai_knobs_f = torch.zeros(max_batch, len(_CAI_STEP_FLOATS), device=device)
-        self.cai_knobs_i = torch.zeros(max_batch, len(_CAI_STEP_INTS), dtype=torch.long, device=device)
         # SlotRows of slot ranges, made once: the tables are written in place, so views stay valid
         # until a table is replaced by a wider one (then they are dropped)
         self._views: dict[tuple[int, int, int], SlotRows] = {}
@@ -274,22 +271,18 @@ class DecodeState:
         if total_steps > self.theta_schedule.shape[1]:
             self.theta_schedule = _widened(self.theta_schedule, total_steps)
         slot = request.slot
-        floats, ints, bools = _float_knobs(request), _int_knobs(request), _bool_knobs(request)
-        tables = _cai_tables(tuple(floats), tuple(ints), tuple(bools), total_steps)
+        tables = _cai_tables(tuple(_float_knobs(request)), tuple(_int_knobs(request)), tuple(_bool_knobs(request)),
+                             total_steps)
         width = request.block_length
         device = self.device
-        self.knobs_f[slot] = torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True)
-        self.knobs_i[slot] = torch.tensor(ints, dtype=torch.long).to(device, non_blocking=True)
-        self.knobs_b[slot] = torch.tensor(bools, dtype=torch.bool).to(device, non_blocking=True)
+        self.knobs_f[slot] = tables.floats.to(device, non_blocking=True)
+        self.knobs_i[slot] = tables.ints.to(device, non_blocking=True)
+        self.knobs_b[slot] = tables.bools.to(device, non_blocking=True)
         self.low_yield[slot] = 0
         self.theta_schedule[slot, :total_steps] = tables.theta.to(device, non_blocking=True)
         self.position_factor[slot, :width] = tables.factor.to(device, non_blocking=True)
-        self.threshold_clip[slot] = tables.clip.to(device, non_blocking=True)
         self.tier_confident[slot, :width] = tables.confident.to(device, non_blocking=True)
         self.tier_middle[slot, :width] = tables.middle.to(device, non_blocking=True)
-        self.tier_unsure[slot] = tables.unsure.to(device, non_blocking=True)
-        self.cai_knobs_f[slot] = tables.step_floats.to(device, non_blocking=True)
-        self.cai_knobs_i[slot] = tables.step_ints.to(device, non_blocking=True)
 
     def rows(self, rows_of: slice | torch.Tensor, width: int) -> SlotRows:
         """The tables at a step's rows: a slot range's views are made once and kept; rows gathered by
@@ -305,19 +298,19 @@ class DecodeState:
         return self._slot_rows(rows_of, width)
 
     def _slot_rows(self, rows_of: slice | torch.Tensor, width: int) -> SlotRows:
-        clip = self.threshold_clip[rows_of]
-        step_f = Columns({name: k for k, name in enumerate(_CAI_STEP_FLOATS)}, self.cai_knobs_f[rows_of])
-        step_i = Columns({name: k for k, name in enumerate(_CAI_STEP_INTS)}, self.cai_knobs_i[rows_of])
+        knobs_f, knobs_i = self.knobs_f[rows_of], self.knobs_i[rows_of]
+        f, i = Columns(_FLOAT_INDEX, knobs_f), Columns(_INT_INDEX, knobs_i)
+        low, high, unsure = _FLOAT_INDEX["clip_low"], _FLOAT_INDEX["clip_high"], _INT_INDEX["budget_unsure"]
         return SlotRows(
-            f=Columns(_FLOAT_INDEX, self.knobs_f[rows_of]), i=Columns(_INT_INDEX, self.knobs_i[rows_of]),
-            b=Columns(_BOOL_INDEX, self.knobs_b[rows_of]), first_conf=self.first_conf[rows_of, :width],
+            f=f, i=i, b=Columns(_BOOL_INDEX, self.knobs_b[rows_of]), first_conf=self.first_conf[rows_of, :width],
             low_yield=self.low_yield[rows_of],
-            factors=P.PositionFactors(self.position_factor[rows_of, :width], clip[:, 0:1], clip[:, 1:2]),
+            factors=P.PositionFactors(self.position_factor[rows_of, :width], knobs_f[:, low:low + 1],
+                                      knobs_f[:, high:high + 1]),
             tiers=P.BudgetTiers(self.tier_confident[rows_of, :width], self.tier_middle[rows_of, :width],
-                                self.tier_unsure[rows_of]),
-            cai_knobs=P.CaiStepKnobs(eta=step_f["eta"], eta_denominator=step_f["eta_denominator"],
-                                     patience=step_i["patience"], fallback_floor=step_f["fallback_floor"],
-                                     min_commit=step_i["min_commit"]))
+                                knobs_i[:, unsure:unsure + 1]),
+            cai_knobs=P.CaiStepKnobs(eta=f["eta"], eta_denominator=f["eta_denominator"],
+                                     patience=i["grinding_patience"], fallback_floor=f["fallback_floor"],
+                                     min_commit=i["min_commit"]))
 
     def theta_block(self, rows: StepRows) -> torch.Tensor:
         """[B] theta_b(t) of each row at its block and step (a gather)."""
@@ -330,23 +323,22 @@ _VIEW_CACHE = 256
 
 @dataclass(frozen=True)
 class CaiTables:
-    """A request's CaiSchedule tables, on the host."""
+    """A request's slot rows, on the host: its knob rows (with the derived columns) and CAI's tables."""
 
+    floats: torch.Tensor  # [len(_FLOAT_INDEX)] float knobs, then _DERIVED_FLOATS
+    ints: torch.Tensor  # [len(_INT_INDEX)] integer knobs, then _DERIVED_INTS
+    bools: torch.Tensor  # [len(_BOOL_KNOBS)]
     theta: torch.Tensor  # [total_steps] theta_b(t) for every (block, step)
     factor: torch.Tensor  # [block_length] Box 6's r_pos
-    clip: torch.Tensor  # [2] Box 6's clip (low, high)
     confident: torch.Tensor  # [block_length] Box 5's tiers
     middle: torch.Tensor  # [block_length]
-    unsure: torch.Tensor  # [1]
-    step_floats: torch.Tensor  # [len(_CAI_STEP_FLOATS)] CaiStepKnobs
-    step_ints: torch.Tensor  # [len(_CAI_STEP_INTS)]
 
 
 @functools.lru_cache(maxsize=64)
 def _cai_tables(floats: tuple[float, ...], ints: tuple[int, ...], bools: tuple[bool, ...],
                 total_steps: int) -> CaiTables:
-    """A request's CaiSchedule tables: what Algorithm 1 reads that depends on its knobs, block and
-    step alone. Requests with the same knobs share them (a server's requests mostly do), so
+    """A request's slot rows: its knobs and what Algorithm 1 reads that depends on them, its block
+    and step alone. Requests with the same knobs share them (a server's requests mostly do), so
     admitting one is a few copies."""
     f = {name: torch.tensor([v], dtype=torch.float32) for name, v in zip(_FLOAT_KNOBS, floats, strict=True)}
     i = {name: torch.tensor([v], dtype=torch.long) for name, v in zip(_INT_KNOBS, ints, strict=True)}
@@ -360,11 +352,12 @@ def _cai_tables(floats: tuple[float, ...], ints: tuple[int, ...], bools: tuple[b
     factors = P.box6_position_factors(quarter, knobs.position_factors)
     tiers = P.budget_tiers(quarter, steps_per_block, knobs.budgets)
     step = P.cai_step_knobs(knobs)
-    step_floats = torch.cat([getattr(step, name) for name in _CAI_STEP_FLOATS])
-    step_ints = torch.cat([getattr(step, name) for name in _CAI_STEP_INTS])
-    return CaiTables(theta=theta, factor=factors.factor[0], clip=torch.cat([factors.low[0], factors.high[0]]),
-                     confident=tiers.confident[0], middle=tiers.middle[0], unsure=tiers.unsure[0],
-                     step_floats=step_floats.float(), step_ints=step_ints.long())
+    derived_floats = torch.cat([step.fallback_floor.float(), factors.low[0].float(), factors.high[0].float()])
+    derived_ints = torch.cat([step.patience.long(), tiers.unsure[0].long()])
+    return CaiTables(floats=torch.cat([torch.tensor(floats, dtype=torch.float32), derived_floats]),
+                     ints=torch.cat([torch.tensor(ints, dtype=torch.long), derived_ints]),
+                     bools=torch.tensor(bools, dtype=torch.bool), theta=theta, factor=factors.factor[0],
+                     confident=tiers.confident[0], middle=tiers.middle[0])
 
 
 def _widened(table: torch.Tensor, width: int) -> torch.Tensor:
