@@ -9,6 +9,8 @@ Each run is a fresh interpreter with PYTHONPATH set to its tree, so each tree de
 engine; the worker below imports what both layouts have (`engine.Engine`, `engine.chat`, and the
 task family from `tinymodels` or, in older trees, `engine.builtin`). Generated tokens are the
 response tokens (before the end token); accuracy is exact match, the same grader as `cai-dllm eval`.
+"forward" is the median share of a run's time spent inside `model.forward` (the rest is the host's):
+what the host side of an engine can win at most.
 
     git worktree add /tmp/main-old <commit>
     python bench/offline_vs_baseline.py --baseline /tmp/main-old --n 256 --repeats 3 \
@@ -58,11 +60,23 @@ def worker(model: str, n: int, batch: int, threads: int, config: str) -> None:
     prompts = [chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": p.prompt}]) for p in problems]
     params = DecodeParams(**CONFIGS[config])
     engine.generate(prompts[:batch], params)  # warm-up
+    forward = engine.model.forward
+    in_forward = [0.0]
+
+    def timed_forward(*args, **kwargs):  # type: ignore[no-untyped-def]
+        begun = time.perf_counter()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            in_forward[0] += time.perf_counter() - begun
+
+    engine.model.forward = timed_forward  # an instance attribute: what the engine calls, timed
     start = time.perf_counter()
     results = engine.generate(prompts, params)
     seconds = time.perf_counter() - start
     correct = sum(answer_of(p.kind, r.text or "") == p.answer for p, r in zip(problems, results, strict=True))
-    print(json.dumps({"seconds": seconds, "tokens": sum(len(r.response_ids) for r in results),
+    print(json.dumps({"seconds": seconds, "forward_seconds": in_forward[0],
+                      "tokens": sum(len(r.response_ids) for r in results),
                       "nfe": sum(r.stats.nfe for r in results), "correct": correct,
                       "texts": [r.text for r in results]}))
 
@@ -102,19 +116,22 @@ def main() -> None:
     print(f"# command: python bench/offline_vs_baseline.py --baseline {args.baseline} --n {args.n} "
           f"--batch {args.batch} --threads {args.threads} --repeats {args.repeats}")
     print(f"{'configuration':20s} {'tree':9s} {'tok/s runs':32s} {'median':>8s} {'best':>6s} {'accuracy':>9s} "
-          f"{'NFE':>6s}")
+          f"{'NFE':>6s} {'forward':>8s}")
     for config in args.configs.split(";"):
         rates: dict[str, list[float]] = {"baseline": [], "this": []}
+        shares: dict[str, list[float]] = {"baseline": [], "this": []}  # of each run's time, in model.forward
         last: dict[str, dict] = {}
         for _ in range(args.repeats):
             for name, tree in (("baseline", args.baseline), ("this", REPO)):
                 out = run(tree, args, config)
                 rates[name].append(out["tokens"] / out["seconds"])
+                shares[name].append(out["forward_seconds"] / out["seconds"])
                 last[name] = out
         for name in ("baseline", "this"):
             runs = " ".join(f"{r:.0f}" for r in rates[name])
             print(f"{config:20s} {name:9s} {runs:32s} {statistics.median(rates[name]):8.0f} {max(rates[name]):6.0f} "
-                  f"{100 * last[name]['correct'] / args.n:8.1f}% {last[name]['nfe']:6d}")
+                  f"{100 * last[name]['correct'] / args.n:8.1f}% {last[name]['nfe']:6d} "
+                  f"{100 * statistics.median(shares[name]):7.1f}%")
         same = sum(a == b for a, b in zip(last["baseline"]["texts"], last["this"]["texts"], strict=True))
         ratio = statistics.median(rates["this"]) / statistics.median(rates["baseline"])
         best = max(rates["this"]) / max(rates["baseline"])
