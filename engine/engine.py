@@ -157,7 +157,8 @@ class Engine:
                                           inputs.in_block, self.model.special.mask_id, self._end_ids)
         self.runner.commit(step_rows, inputs, new_tokens)
         host = summary.tolist()  # the step's one device-to-host transfer
-        columns = LogprobColumns(step_rows.width, step_rows.logprob_k) if step_rows.logprob_k >= 0 else None
+        logprob_k = step_rows.traits.logprob_k
+        columns = LogprobColumns(step_rows.width, logprob_k) if logprob_k >= 0 else None
         return self.scheduler.postprocess(rows, host, inputs.fed_tokens, columns)
 
     # ------------------------------------------------------------------ likelihood

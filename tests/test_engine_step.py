@@ -127,7 +127,7 @@ def test_batch_traits_are_reused_only_for_the_same_rows(llada_model):
     assert again.traits is first.traits
     fewer = StepRows.build(running[1:], llada_model.device, first.traits)
     assert fewer.traits is not first.traits
-    assert fewer.policies == frozenset({"threshold", "fixed"}) and fewer.slot_rows == slice(1, 3)
+    assert fewer.traits.policies == frozenset({"threshold", "fixed"}) and fewer.slot_rows == slice(1, 3)
     assert fewer.fields.shape[0] == 2
 
 

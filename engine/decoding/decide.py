@@ -431,30 +431,6 @@ class StepRows:
         return self.traits.width
 
     @property
-    def policies(self) -> frozenset[str]:
-        return self.traits.policies
-
-    @property
-    def sampled(self) -> tuple[tuple[int, torch.Generator, float], ...]:
-        return self.traits.sampled
-
-    @property
-    def max_top_k(self) -> int:
-        return self.traits.max_top_k
-
-    @property
-    def any_top_p(self) -> bool:
-        return self.traits.any_top_p
-
-    @property
-    def any_min_p(self) -> bool:
-        return self.traits.any_min_p
-
-    @property
-    def logprob_k(self) -> int:
-        return self.traits.logprob_k
-
-    @property
     def slot_rows(self) -> Optional[slice]:
         return self.traits.slot_rows
 
@@ -470,13 +446,14 @@ def decide_step(state: DecodeState, rows: StepRows, logits: torch.Tensor, block_
     rows_of = rows.slot_rows if rows.slot_rows is not None else rows.column("slot")
     width = block_tokens.shape[1]
     slot_rows = state.rows(rows_of, width)
+    traits = rows.traits
     schedule = None
-    if "cai" in rows.policies:
+    if "cai" in traits.policies:
         schedule = CaiSchedule(state.theta_block(rows), slot_rows.factors, slot_rows.tiers, slot_rows.cai_knobs)
     args = (slot_rows.first_conf, slot_rows.low_yield, logits, block_tokens, in_block, end_ids, mask_id,
-            rows.policies, rows.sampled, rows.max_top_k, rows.any_top_p, rows.any_min_p, rows.commit_first,
-            rows.block_start, rows.logprob_k, schedule)
-    if state.compiled is not None and not rows.sampled:
+            traits.policies, traits.sampled, traits.max_top_k, traits.any_top_p, traits.any_min_p, rows.commit_first,
+            rows.block_start, traits.logprob_k, schedule)
+    if state.compiled is not None and not traits.sampled:
         # Rows that sample draw from their own generators, which stay outside a compiled graph; the
         # compiled step takes plain dicts of the columns
         new_tokens, summary, first_conf, low_yield = state.compiled(
@@ -484,7 +461,7 @@ def decide_step(state: DecodeState, rows: StepRows, logits: torch.Tensor, block_
     else:
         new_tokens, summary, first_conf, low_yield = decide_tensors(slot_rows.f, slot_rows.i, slot_rows.b,
                                                                     rows.columns, *args)
-    if "cai" in rows.policies:
+    if "cai" in traits.policies:
         state.first_conf[rows_of, :width] = first_conf
         state.low_yield[rows_of] = low_yield
     return new_tokens, summary
