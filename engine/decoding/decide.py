@@ -19,7 +19,7 @@ import array
 import functools
 import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -258,6 +258,9 @@ class DecodeState:
         # SlotRows of slot ranges, made once: the tables are written in place, so views stay valid
         # until a table is replaced by a wider one (then they are dropped)
         self._views: dict[tuple[int, int, int], SlotRows] = {}
+        # SlotRows of slot sets with gaps: gathered copies, whose knobs and tables hold until a slot
+        # takes a new request (then they are dropped); CAI's state is gathered anew each step
+        self._gathered: dict[tuple[tuple[int, ...], int], SlotRows] = {}
 
     def admit(self, request: Request) -> None:
         """Write a request's knobs and CAI tables into its slot (host-to-device, once per request)."""
@@ -270,6 +273,7 @@ class DecodeState:
         total_steps = request.num_blocks * request.steps_per_block
         if total_steps > self.theta_schedule.shape[1]:
             self.theta_schedule = _widened(self.theta_schedule, total_steps)
+        self._gathered.clear()
         slot = request.slot
         tables = _cai_tables(tuple(_float_knobs(request)), tuple(_int_knobs(request)), tuple(_bool_knobs(request)),
                              total_steps)
@@ -284,9 +288,10 @@ class DecodeState:
         self.tier_confident[slot, :width] = tables.confident.to(device, non_blocking=True)
         self.tier_middle[slot, :width] = tables.middle.to(device, non_blocking=True)
 
-    def rows(self, rows_of: slice | torch.Tensor, width: int) -> SlotRows:
-        """The tables at a step's rows: a slot range's views are made once and kept; rows gathered by
-        slot index are read anew each step."""
+    def rows(self, rows_of: slice | torch.Tensor, width: int, slots: tuple[int, ...]) -> SlotRows:
+        """The tables at a step's rows (`rows_of`: a slot range, or the rows' `slots` as a tensor): a
+        slot range's views are made once and kept; a slot set with gaps has its knobs and tables
+        gathered once per set of requests and its CAI state gathered each step."""
         if isinstance(rows_of, slice):
             key = (rows_of.start, rows_of.stop, width)
             view = self._views.get(key)
@@ -295,7 +300,14 @@ class DecodeState:
                     self._views.clear()
                 view = self._views[key] = self._slot_rows(rows_of, width)
             return view
-        return self._slot_rows(rows_of, width)
+        gathered = self._gathered.get((slots, width))
+        if gathered is None:
+            if len(self._gathered) >= _VIEW_CACHE:
+                self._gathered.clear()
+            gathered = self._gathered[(slots, width)] = self._slot_rows(rows_of, width)
+            return gathered
+        return replace(gathered, first_conf=self.first_conf[rows_of, :width],
+                                   low_yield=self.low_yield[rows_of])
 
     def _slot_rows(self, rows_of: slice | torch.Tensor, width: int) -> SlotRows:
         knobs_f, knobs_i = self.knobs_f[rows_of], self.knobs_i[rows_of]
@@ -380,6 +392,7 @@ class BatchTraits:
     any_min_p: bool
     logprob_k: int  # top alternatives to report (the most any row asks); -1: no row wants logprobs
     slot_rows: Optional[slice]  # the rows' slots as a slice when consecutive (request.slot_slice), else None
+    slots: tuple[int, ...]  # the rows' slots
 
     @classmethod
     def of(cls, requests: Sequence[Request], request_ids: tuple[str, ...]) -> BatchTraits:
@@ -392,7 +405,7 @@ class BatchTraits:
                    any_min_p=any(bool(r.params.min_p) for r in requests),
                    logprob_k=max((r.params.logprobs for r in requests if r.params.logprobs is not None),
                                  default=-1),
-                   slot_rows=slot_slice(requests))
+                   slot_rows=slot_slice(requests), slots=tuple(r.slot for r in requests))
 
 
 _COMMIT_FIRST_FIELD = STEP_FIELDS.index("commit_first_only")
@@ -445,7 +458,7 @@ def decide_step(state: DecodeState, rows: StepRows, logits: torch.Tensor, block_
     # A full batch is in slot order (the scheduler keeps it sorted): slices, not gathers and scatters
     rows_of = rows.slot_rows if rows.slot_rows is not None else rows.column("slot")
     width = block_tokens.shape[1]
-    slot_rows = state.rows(rows_of, width)
+    slot_rows = state.rows(rows_of, width, rows.traits.slots)
     traits = rows.traits
     schedule = None
     if "cai" in traits.policies:
