@@ -111,8 +111,11 @@ class ModelRunner:
             prepared = []
             for kind, indices in by_kind.items():
                 index = self._row_index(tuple(indices))
-                prepared.append(self._prepare(kind, [requests[b] for b in indices], rows.fields[index],
-                                              in_block[index], positions[index], width))
+                subset = [requests[b] for b in indices]
+                # what a forward reads only for blocks narrower than the step's, or at a block start
+                sub_in_block = in_block[index] if any(r.block_length < width for r in subset) else None
+                sub_positions = positions[index] if kind == FORWARD_FULL else None
+                prepared.append(self._prepare(kind, subset, rows.fields[index], sub_in_block, sub_positions, width))
             # back in row order after: row b's logits are at its place in the kinds' concatenation
             order = [b for indices in by_kind.values() for b in indices]
             inverse = self._row_index(tuple(sorted(range(len(order)), key=order.__getitem__)))
@@ -154,14 +157,17 @@ class ModelRunner:
             return request.block_length + self.shift
         return request.length - request.block_start + self.shift
 
-    def _prepare(self, kind: str, requests: Sequence[Request], fields: torch.Tensor, in_block: torch.Tensor,
-                 positions: torch.Tensor, width: int) -> Callable[[], torch.Tensor]:
-        """The rows' forward of `kind` with its inputs built: called, it runs and returns the logits."""
+    def _prepare(self, kind: str, requests: Sequence[Request], fields: torch.Tensor, in_block: Optional[torch.Tensor],
+                 positions: Optional[torch.Tensor], width: int) -> Callable[[], torch.Tensor]:
+        """The rows' forward of `kind` with its inputs built: called, it runs and returns the logits.
+        `in_block` may be None when every row's block is `width` wide; `positions` (the block's
+        canvas positions) is read by a full forward alone."""
         if kind == FORWARD_FULL:
+            assert positions is not None
             return self._prepare_full(requests, fields, in_block, positions, width)
         return self._prepare_cached(requests, fields, in_block, width, through_end=kind == FORWARD_PREFIX)
 
-    def _prepare_full(self, requests: Sequence[Request], fields: torch.Tensor, in_block: torch.Tensor,
+    def _prepare_full(self, requests: Sequence[Request], fields: torch.Tensor, in_block: Optional[torch.Tensor],
                       block_positions: torch.Tensor, width: int) -> Callable[[], torch.Tensor]:
         """Every row's whole canvas; rows with a KV cache write its keys/values into their slot."""
         model = self.model
@@ -174,8 +180,8 @@ class ModelRunner:
         else:
             ids, key_mask = self.canvas[slots, :length], self.store.key_mask[slots, :length]
         at = block_positions - self.shift if self.shift else block_positions
-        if any(r.block_length < width for r in requests):  # past a narrower block: a position never read
-            at = torch.where(in_block, at, 0)
+        if in_block is not None and any(r.block_length < width for r in requests):
+            at = torch.where(in_block, at, 0)  # past a narrower block: a position never read
         guided = [b for b, r in enumerate(requests) if r.params.cfg_scale > 0]
         if guided:  # LLaDA classifier-free guidance: the same canvas with the prompt masked
             index = torch.tensor(guided, dtype=torch.long).to(self.device, non_blocking=True)
@@ -205,7 +211,7 @@ class ModelRunner:
 
         return guided_forward
 
-    def _prepare_cached(self, requests: Sequence[Request], fields: torch.Tensor, in_block: torch.Tensor,
+    def _prepare_cached(self, requests: Sequence[Request], fields: torch.Tensor, in_block: Optional[torch.Tensor],
                         width: int, through_end: bool) -> Callable[[], torch.Tensor]:
         """Feed each row's block (dual) or block and everything after it (prefix); the other
         positions' keys/values come from the row's slot of the store."""
@@ -218,7 +224,7 @@ class ModelRunner:
                                                               through_end)
             return functools.partial(self.dual_graphs.forward, self.store, fields[:, STEP_FIELDS.index("slot")],
                                      max(r.slot for r in requests), ids, positions, write_index,
-                                     self._block_queries(in_block, width))
+                                     self._block_queries(in_block, width, len(requests)))
         # Attention spans the longest canvas of these rows, plus a scratch column past it that
         # query-only positions write to and no row attends (the store is wider: not read here).
         scratch = max(r.length for r in requests)
@@ -232,7 +238,7 @@ class ModelRunner:
         # query j of a row is its block's position j (past its block: a position never read), so the
         # logits are the first `width` queries' as they stand, a slice rather than a gather, unless
         # these rows' blocks are all narrower than the step's widest
-        at = width if query_length >= width else self._block_queries(in_block, width)
+        at = width if query_length >= width else self._block_queries(in_block, width, len(requests))
         return functools.partial(self.model, ids, position_ids=positions, cache=cache, logits_at=at)
 
     def _store_view(self, rows: Optional[slice], columns: int) -> KVStore:
@@ -250,9 +256,11 @@ class ModelRunner:
                                                     key_mask=self.store.key_mask[r, :columns])
         return view
 
-    def _block_queries(self, in_block: torch.Tensor, width: int) -> torch.Tensor:
-        """[B, width] the query index of each block position in a cached forward (0 past a row's
-        block: a position never read)."""
+    def _block_queries(self, in_block: Optional[torch.Tensor], width: int, rows: int) -> torch.Tensor:
+        """[rows, width] the query index of each block position in a cached forward (0 past a row's
+        block: a position never read; `in_block` None: every block is `width` wide)."""
+        if in_block is None:
+            return self._arange[None, :width].expand(rows, -1)
         return torch.where(in_block, self._arange[None, :width], 0)
 
     def _cached_inputs(self, requests: Sequence[Request], fields: torch.Tensor, query_length: int, scratch: int,

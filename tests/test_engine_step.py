@@ -185,7 +185,7 @@ def test_cai_reads_its_tabulated_schedule_as_cai_step_computes_it(llada_model):
         step, block = rows.column("step"), rows.column("block")
         i = dict(zip(_INT_KNOBS, state.knobs_i[:, :len(_INT_KNOBS)].unbind(1), strict=True))
         knobs = cai_knobs(dict(zip(_FLOAT_KNOBS, state.knobs_f[:, :len(_FLOAT_KNOBS)].unbind(1), strict=True)), i,
-                          dict(zip(_BOOL_KNOBS, state.knobs_b.unbind(1), strict=True)))
+                          dict(zip(_BOOL_KNOBS, state.knobs_b[:, :len(_BOOL_KNOBS)].unbind(1), strict=True)))
         expected = P.cai_step(conf, candidates, step, i["steps_per_block"], block, i["num_blocks"], i["block_length"],
                               P.CaiState(P.box2_first_step_confidence(conf, stored, step), counter), knobs)
         assert torch.equal(new_tokens != block_tokens, expected.commit)

@@ -114,11 +114,12 @@ class Columns(Mapping[str, torch.Tensor]):
 # knobs with their switches folded in (CaiStepKnobs, Box 6's clip, Box 5's largest budget),
 # derived once per request (_cai_tables) so that admitting one is a copy per table.
 _DERIVED_FLOATS = ("fallback_floor", "clip_low", "clip_high")
-_DERIVED_INTS = ("grinding_patience", "budget_unsure")
+_DERIVED_INTS = ("grinding_patience", "budget_unsure", "last_step")
+_DERIVED_BOOLS = ("min_commit_on",)
 
 _FLOAT_INDEX = {name: k for k, name in enumerate(_FLOAT_KNOBS + _DERIVED_FLOATS)}
 _INT_INDEX = {name: k for k, name in enumerate(_INT_KNOBS + _DERIVED_INTS)}
-_BOOL_INDEX = {name: k for k, name in enumerate(_BOOL_KNOBS)}
+_BOOL_INDEX = {name: k for k, name in enumerate(_BOOL_KNOBS + _DERIVED_BOOLS)}
 _FIELD_INDEX = {name: k for k, name in enumerate(STEP_FIELDS)}
 
 # -------------------------------------------------------------------------------------- registry
@@ -189,9 +190,8 @@ def decide_cai(batch: Batch) -> Decision:
     schedule = batch.schedule
     assert schedule is not None, "a CAI row's step gathers its schedule (decide_step)"
     first_conf = P.box2_first_step_confidence(batch.conf, batch.first_conf, batch.step)
-    out = P.cai_commit(batch.conf, batch.candidates, batch.step, batch.i["steps_per_block"], schedule.theta_block,
-                       schedule.factors, schedule.tiers, P.CaiState(first_conf=first_conf, low_yield=batch.low_yield),
-                       schedule.knobs)
+    out = P.cai_commit(batch.conf, batch.candidates, batch.step, schedule.theta_block, schedule.factors,
+                       schedule.tiers, P.CaiState(first_conf=first_conf, low_yield=batch.low_yield), schedule.knobs)
     return Decision(out.commit, out.forced, first_conf, out.low_yield, out.grinding_exit)
 
 
@@ -246,7 +246,7 @@ class DecodeState:
         self.width = 1
         self.knobs_f = torch.zeros(max_batch, len(_FLOAT_INDEX), device=device)
         self.knobs_i = torch.zeros(max_batch, len(_INT_INDEX), dtype=torch.long, device=device)
-        self.knobs_b = torch.zeros(max_batch, len(_BOOL_KNOBS), dtype=torch.bool, device=device)
+        self.knobs_b = torch.zeros(max_batch, len(_BOOL_INDEX), dtype=torch.bool, device=device)
         self.first_conf = torch.zeros(max_batch, self.width, device=device)
         self.low_yield = torch.zeros(max_batch, dtype=torch.long, device=device)
         # CAI's per-request tables (CaiSchedule), so that a step computes none of it. Past a row's
@@ -312,9 +312,10 @@ class DecodeState:
     def _slot_rows(self, rows_of: slice | torch.Tensor, width: int) -> SlotRows:
         knobs_f, knobs_i = self.knobs_f[rows_of], self.knobs_i[rows_of]
         f, i = Columns(_FLOAT_INDEX, knobs_f), Columns(_INT_INDEX, knobs_i)
+        b = Columns(_BOOL_INDEX, self.knobs_b[rows_of])
         low, high, unsure = _FLOAT_INDEX["clip_low"], _FLOAT_INDEX["clip_high"], _INT_INDEX["budget_unsure"]
         return SlotRows(
-            f=f, i=i, b=Columns(_BOOL_INDEX, self.knobs_b[rows_of]), first_conf=self.first_conf[rows_of, :width],
+            f=f, i=i, b=b, first_conf=self.first_conf[rows_of, :width],
             low_yield=self.low_yield[rows_of],
             factors=P.PositionFactors(self.position_factor[rows_of, :width], knobs_f[:, low:low + 1],
                                       knobs_f[:, high:high + 1]),
@@ -322,7 +323,7 @@ class DecodeState:
                                 knobs_i[:, unsure:unsure + 1]),
             cai_knobs=P.CaiStepKnobs(eta=f["eta"], eta_denominator=f["eta_denominator"],
                                      patience=i["grinding_patience"], fallback_floor=f["fallback_floor"],
-                                     min_commit=i["min_commit"]))
+                                     min_commit=b["min_commit_on"], last_step=i["last_step"]))
 
     def theta_block(self, rows: StepRows) -> torch.Tensor:
         """[B] theta_b(t) of each row at its block and step (a gather)."""
@@ -339,7 +340,7 @@ class CaiTables:
 
     floats: torch.Tensor  # [len(_FLOAT_INDEX)] float knobs, then _DERIVED_FLOATS
     ints: torch.Tensor  # [len(_INT_INDEX)] integer knobs, then _DERIVED_INTS
-    bools: torch.Tensor  # [len(_BOOL_KNOBS)]
+    bools: torch.Tensor  # [len(_BOOL_INDEX)] boolean knobs, then _DERIVED_BOOLS
     theta: torch.Tensor  # [total_steps] theta_b(t) for every (block, step)
     factor: torch.Tensor  # [block_length] Box 6's r_pos
     confident: torch.Tensor  # [block_length] Box 5's tiers
@@ -363,12 +364,13 @@ def _cai_tables(floats: tuple[float, ...], ints: tuple[int, ...], bools: tuple[b
     quarter = P.block_quarter(ints[_INT_KNOBS.index("block_length")], i["block_length"])
     factors = P.box6_position_factors(quarter, knobs.position_factors)
     tiers = P.budget_tiers(quarter, steps_per_block, knobs.budgets)
-    step = P.cai_step_knobs(knobs)
+    step = P.cai_step_knobs(knobs, steps_per_block)
     derived_floats = torch.cat([step.fallback_floor.float(), factors.low[0].float(), factors.high[0].float()])
-    derived_ints = torch.cat([step.patience.long(), tiers.unsure[0].long()])
+    derived_ints = torch.cat([step.patience.long(), tiers.unsure[0].long(), step.last_step.long()])
     return CaiTables(floats=torch.cat([torch.tensor(floats, dtype=torch.float32), derived_floats]),
                      ints=torch.cat([torch.tensor(ints, dtype=torch.long), derived_ints]),
-                     bools=torch.tensor(bools, dtype=torch.bool), theta=theta, factor=factors.factor[0],
+                     bools=torch.cat([torch.tensor(bools, dtype=torch.bool), step.min_commit]),
+                     theta=theta, factor=factors.factor[0],
                      confident=tiers.confident[0], middle=tiers.middle[0])
 
 
@@ -551,7 +553,7 @@ def decide_tensors(f: Mapping[str, torch.Tensor], i: Mapping[str, torch.Tensor],
     else:
         bands = [_no_positions(candidates.shape, candidates.device)] * 2
     counts = torch.stack([commit, still_masked, forced, *bands], dim=1).sum(dim=2)
-    parts = [counts, torch.stack([grinding.long(), end_pos, first_masked], dim=1), new_tokens]
+    parts = [counts, torch.stack([grinding, end_pos, first_masked], dim=1), new_tokens]  # stack promotes to int64
     if logprob_k >= 0:
         chosen, top_values, top_ids = token_logprobs(raw_logits, x0, logprob_k)
         batch_size = new_tokens.shape[0]

@@ -67,7 +67,7 @@ def block_positions(width: int, device: torch.device) -> tuple[torch.Tensor, tor
 def best_candidate(score: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
     """The best candidate of each row (the first on ties, as `commit_best` with a quota of 1); none
     in a row without candidates. One argmax instead of two sorts."""
-    best = score.masked_fill(~candidates, NEG_INF).argmax(dim=-1, keepdim=True)
+    best = torch.where(candidates, score, NEG_INF).argmax(dim=-1, keepdim=True)
     return candidates & (block_positions(score.shape[1], score.device)[0] == best)
 
 
@@ -241,16 +241,17 @@ class CaiStepKnobs:
     eta_denominator: torch.Tensor  # tokens eta is a fraction of
     patience: torch.Tensor  # Box 7's K; NEVER when the detector is off
     fallback_floor: torch.Tensor  # a grinding exit commits the tokens above it: theta_fb, -inf with `fill`
-    min_commit: torch.Tensor
+    min_commit: torch.Tensor  # bool: a step that commits nothing commits its best candidate
+    last_step: torch.Tensor  # the block's last step (T - 1), where every token left is committed
 
 
-def cai_step_knobs(knobs: CaiKnobs) -> CaiStepKnobs:
+def cai_step_knobs(knobs: CaiKnobs, steps_per_block: torch.Tensor) -> CaiStepKnobs:
     """Fold the grinding switches into values: a detector that is off has a patience never reached;
     `fill` commits every remaining token, as a floor below any confidence."""
     return CaiStepKnobs(eta=knobs.eta, eta_denominator=knobs.eta_denominator,
                         patience=torch.where(knobs.grinding, knobs.patience, NEVER),
                         fallback_floor=torch.where(knobs.grinding_fill, -math.inf, knobs.theta_fb),
-                        min_commit=knobs.min_commit)
+                        min_commit=knobs.min_commit > 0, last_step=steps_per_block - 1)
 
 
 @dataclass
@@ -306,14 +307,13 @@ def cai_step(conf: torch.Tensor, candidates: torch.Tensor, step: torch.Tensor, s
     """One step of Algorithm 1 for every row (its lines 10-29); `state.first_conf` is Box 2's s_i."""
     theta_block = block_threshold(step, steps_per_block, block_index, num_blocks, knobs)
     quarter = block_quarter(conf.shape[1], block_length)
-    return cai_commit(conf, candidates, step, steps_per_block, theta_block,
-                      box6_position_factors(quarter, knobs.position_factors),
-                      budget_tiers(quarter, steps_per_block, knobs.budgets), state, cai_step_knobs(knobs))
+    return cai_commit(conf, candidates, step, theta_block, box6_position_factors(quarter, knobs.position_factors),
+                      budget_tiers(quarter, steps_per_block, knobs.budgets), state,
+                      cai_step_knobs(knobs, steps_per_block))
 
 
-def cai_commit(conf: torch.Tensor, candidates: torch.Tensor, step: torch.Tensor, steps_per_block: torch.Tensor,
-               theta_block: torch.Tensor, factors: PositionFactors, tiers: BudgetTiers, state: CaiState,
-               knobs: CaiStepKnobs) -> CaiDecision:
+def cai_commit(conf: torch.Tensor, candidates: torch.Tensor, step: torch.Tensor, theta_block: torch.Tensor,
+               factors: PositionFactors, tiers: BudgetTiers, state: CaiState, knobs: CaiStepKnobs) -> CaiDecision:
     """`cai_step` given what depends on a row's request, block and step alone (theta_b(t), Box 6's
     position factors, Box 5's tiers): the part of Algorithm 1 that needs this step's confidences."""
     thresholds = box6_position_thresholds(theta_block, factors)
@@ -324,7 +324,7 @@ def cai_commit(conf: torch.Tensor, candidates: torch.Tensor, step: torch.Tensor,
     # DECISION (a step that commits nothing): with min_commit=1 the best candidate is committed, as
     # in Fast-dLLM, so every forward makes progress; min_commit=0 follows Algorithm 1 literally.
     # (A row without candidates has no best candidate.)
-    nothing = ~commit.any(dim=1) & (knobs.min_commit > 0)
+    nothing = ~commit.any(dim=1) & knobs.min_commit
     commit = commit | (best_candidate(conf, candidates) & nothing[:, None])
 
     low_yield, grinding_exit = box7_grinding_phase_detector(commit.sum(dim=1), state.low_yield, knobs.eta,
@@ -336,6 +336,6 @@ def cai_commit(conf: torch.Tensor, candidates: torch.Tensor, step: torch.Tensor,
     by_grinding = remaining & grinding_exit[:, None] & (conf > knobs.fallback_floor[:, None])
     # DECISION (a block never ends with masks): at the block's last step every token still masked
     # is committed with its current prediction.
-    last = step >= steps_per_block - 1
+    last = step >= knobs.last_step
     late = by_grinding | (remaining & last[:, None])
     return CaiDecision(commit | late, by_budget | late, low_yield, grinding_exit, thresholds, budgets)
