@@ -11,8 +11,11 @@ below 2 %. Medians over the timed steps; "reads" is the most tensor-to-host read
 forward (with a cache, every row fed only its block, or its block and what follows): CAI starts blocks
 every step or two, so most steps mix in a block start's full forward, and this column is the cached
 step on its own ("n" of the timed steps were such steps; "-" without a cache or when none was).
-Rows marked "fixed" decode with LLaDA's fixed schedule instead (one token a step, so a block is one full step
-and 31 cached ones): the cached step of a running batch, as a server pays it for most of a block.
+"full-batch outside" is the median outside-the-forward time over the steps in which all `batch` rows ran
+("n" of them): the requests start together and finish at different steps, so the "outside ms" median
+also counts steps with fewer rows. Rows marked "fixed" decode with LLaDA's fixed schedule instead (one
+token a step, so a block is one full step and 31 cached ones): the cached step of a running batch, as a
+server pays it for most of a block.
 
     python bench/step_time.py --steps 48 --threads 2 > bench/results/step_time_cpu.txt
     python bench/step_time.py --steps 48 --threads 2 --compile-decide   # the decide step compiled
@@ -90,7 +93,7 @@ def measure(model: torch.nn.Module, batch: int, cache: str, steps: int, compile_
         engine.add_request(torch.randint(0, vocab, (64,), generator=gen).tolist(), params)
     timer = ForwardTimer(model)
     full = FullForwardCounter(engine.runner)
-    step_ms, outside_ms, cached_ms, reads = [], [], [], 0
+    step_ms, outside_ms, cached_ms, full_batch_outside_ms, reads = [], [], [], [], 0
     warm = 0
     try:
         while engine.has_unfinished() and len(step_ms) < steps:
@@ -107,13 +110,17 @@ def measure(model: torch.nn.Module, batch: int, cache: str, steps: int, compile_
             outside_ms.append(1000 * (took - timer.total))
             if full.count == 0 and len(outputs) == batch:
                 cached_ms.append(1000 * took)
+            if len(outputs) == batch:
+                full_batch_outside_ms.append(1000 * (took - timer.total))
             reads = max(reads, counted.count)
     finally:
         timer.restore()
     return {"step_ms": statistics.median(step_ms), "outside_ms": statistics.median(outside_ms),
             "forward_ms": statistics.median(s - o for s, o in zip(step_ms, outside_ms, strict=True)),
             "reads": reads, "steps": len(step_ms),
-            "cached_ms": statistics.median(cached_ms) if cached_ms else None, "cached_steps": len(cached_ms)}
+            "cached_ms": statistics.median(cached_ms) if cached_ms else None, "cached_steps": len(cached_ms),
+            "full_batch_outside_ms": statistics.median(full_batch_outside_ms) if full_batch_outside_ms else None,
+            "full_batch_steps": len(full_batch_outside_ms)}
 
 
 def main() -> None:
@@ -135,7 +142,7 @@ def main() -> None:
     flags = (" --skip-large" if args.skip_large else "") + (" --compile-decide" if args.compile_decide else "")
     print(f"# command: python bench/step_time.py --steps {args.steps} --threads {args.threads}{flags}")
     print(f"{'model':30s} {'batch':>5s} {'cache':>6s} {'step ms':>8s} {'forward ms':>10s} {'outside ms':>10s} "
-          f"{'outside %':>9s} {'reads/step':>10s} {'cached ms':>9s} {'n':>3s}")
+          f"{'outside %':>9s} {'reads/step':>10s} {'cached ms':>9s} {'n':>3s} {'full-batch outside':>18s} {'n':>3s}")
     for name, model in models.items():
         params = sum(p.numel() for p in model.parameters())
         rows = [("cai", batch, cache) for batch in (1, 8) for cache in ("none", "prefix", "dual")]
@@ -143,10 +150,11 @@ def main() -> None:
         for policy, batch, cache in rows:
             r = measure(model, batch, cache, args.steps, args.compile_decide, policy)
             cached = "-" if r["cached_ms"] is None else f"{r['cached_ms']:.2f}"
+            full_batch = "-" if r["full_batch_outside_ms"] is None else f"{r['full_batch_outside_ms']:.2f}"
             label = name if policy == "cai" else f"{name} fixed"
             print(f"{label:30s} {batch:5d} {cache:>6s} {r['step_ms']:8.2f} {r['forward_ms']:10.2f} "
                   f"{r['outside_ms']:10.2f} {100 * r['outside_ms'] / r['step_ms']:8.1f}% {r['reads']:10d} "
-                  f"{cached:>9s} {r['cached_steps']:3d}", flush=True)
+                  f"{cached:>9s} {r['cached_steps']:3d} {full_batch:>18s} {r['full_batch_steps']:3d}", flush=True)
         print(f"# {name}: {params / 1e6:.1f}M parameters")
 
 
