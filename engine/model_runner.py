@@ -104,7 +104,7 @@ class ModelRunner:
             fed.append(self._fed_tokens(request, kind))
         if len(by_kind) == 1:
             [(kind, indices)] = by_kind.items()
-            logits = self._prepare(kind, requests, rows.fields, in_block, positions, width)()
+            logits = self._prepare(kind, requests, rows.slot_rows, rows.fields, in_block, positions, width)()
         else:
             # Every kind's inputs are built first and the forwards then run back to back: host work
             # placed between two forwards would run with the caches the first has just flushed.
@@ -115,7 +115,8 @@ class ModelRunner:
                 # what a forward reads only for blocks narrower than the step's, or at a block start
                 sub_in_block = in_block[index] if any(r.block_length < width for r in subset) else None
                 sub_positions = positions[index] if kind == FORWARD_FULL else None
-                prepared.append(self._prepare(kind, subset, rows.fields[index], sub_in_block, sub_positions, width))
+                prepared.append(self._prepare(kind, subset, slot_slice(subset), rows.fields[index], sub_in_block,
+                                              sub_positions, width))
             # back in row order after: row b's logits are at its place in the kinds' concatenation
             order = [b for indices in by_kind.values() for b in indices]
             inverse = self._row_index(tuple(sorted(range(len(order)), key=order.__getitem__)))
@@ -157,23 +158,25 @@ class ModelRunner:
             return request.block_length + self.shift
         return request.length - request.block_start + self.shift
 
-    def _prepare(self, kind: str, requests: Sequence[Request], fields: torch.Tensor, in_block: Optional[torch.Tensor],
-                 positions: Optional[torch.Tensor], width: int) -> Callable[[], torch.Tensor]:
+    def _prepare(self, kind: str, requests: Sequence[Request], in_order: Optional[slice], fields: torch.Tensor,
+                 in_block: Optional[torch.Tensor], positions: Optional[torch.Tensor],
+                 width: int) -> Callable[[], torch.Tensor]:
         """The rows' forward of `kind` with its inputs built: called, it runs and returns the logits.
-        `in_block` may be None when every row's block is `width` wide; `positions` (the block's
-        canvas positions) is read by a full forward alone."""
+        `in_order`: the rows' slots as a slice when consecutive (`slot_slice`); `in_block` may be None
+        when every row's block is `width` wide; `positions` (the block's canvas positions) is read by
+        a full forward alone."""
         if kind == FORWARD_FULL:
             assert positions is not None
-            return self._prepare_full(requests, fields, in_block, positions, width)
-        return self._prepare_cached(requests, fields, in_block, width, through_end=kind == FORWARD_PREFIX)
+            return self._prepare_full(requests, in_order, fields, in_block, positions, width)
+        return self._prepare_cached(requests, in_order, fields, in_block, width, through_end=kind == FORWARD_PREFIX)
 
-    def _prepare_full(self, requests: Sequence[Request], fields: torch.Tensor, in_block: Optional[torch.Tensor],
-                      block_positions: torch.Tensor, width: int) -> Callable[[], torch.Tensor]:
+    def _prepare_full(self, requests: Sequence[Request], in_order: Optional[slice], fields: torch.Tensor,
+                      in_block: Optional[torch.Tensor], block_positions: torch.Tensor,
+                      width: int) -> Callable[[], torch.Tensor]:
         """Every row's whole canvas; rows with a KV cache write its keys/values into their slot."""
         model = self.model
         length = max(r.length for r in requests)
         slots = fields[:, STEP_FIELDS.index("slot")]
-        in_order = slot_slice(requests)
         # the store's key mask of a slot is its canvas's real positions (ModelRunner.admit)
         if in_order is not None:
             ids, key_mask = self.canvas[in_order, :length], self.store.key_mask[in_order, :length]
@@ -211,25 +214,27 @@ class ModelRunner:
 
         return guided_forward
 
-    def _prepare_cached(self, requests: Sequence[Request], fields: torch.Tensor, in_block: Optional[torch.Tensor],
-                        width: int, through_end: bool) -> Callable[[], torch.Tensor]:
+    def _prepare_cached(self, requests: Sequence[Request], in_order: Optional[slice], fields: torch.Tensor,
+                        in_block: Optional[torch.Tensor], width: int, through_end: bool) -> Callable[[], torch.Tensor]:
         """Feed each row's block (dual) or block and everything after it (prefix); the other
         positions' keys/values come from the row's slot of the store."""
         shift = self.shift
-        query_length = max((r.length if through_end else r.block_start + r.block_length) - r.block_start + shift
-                           for r in requests)
+        spans = [(r.length if through_end else r.block_start + r.block_length) - r.block_start + shift
+                 for r in requests]  # the positions each row feeds
+        query_length = max(spans)
+        every_query_fed = all(span == query_length for span in spans)  # blocks of one length: the usual batch
         if self.dual_graphs is not None and not through_end:
             # the store's last column is past every canvas: the static forward's scratch column
-            ids, positions, write_index = self._cached_inputs(requests, fields, query_length, self.store.width - 1,
-                                                              through_end)
+            ids, positions, write_index = self._cached_inputs(in_order, fields, query_length, self.store.width - 1,
+                                                              through_end, every_query_fed)
             return functools.partial(self.dual_graphs.forward, self.store, fields[:, STEP_FIELDS.index("slot")],
                                      max(r.slot for r in requests), ids, positions, write_index,
                                      self._block_queries(in_block, width, len(requests)))
         # Attention spans the longest canvas of these rows, plus a scratch column past it that
         # query-only positions write to and no row attends (the store is wider: not read here).
         scratch = max(r.length for r in requests)
-        ids, positions, write_index = self._cached_inputs(requests, fields, query_length, scratch, through_end)
-        in_order = slot_slice(requests)
+        ids, positions, write_index = self._cached_inputs(in_order, fields, query_length, scratch, through_end,
+                                                          every_query_fed)
         store = self._store_view(in_order, scratch + 1)
         # rows of consecutive slots in order are a slice of the store: attend over a view of it; otherwise
         # each layer reads the rows out of the store (a copy of those rows)
@@ -263,8 +268,8 @@ class ModelRunner:
             return self._arange[None, :width].expand(rows, -1)
         return torch.where(in_block, self._arange[None, :width], 0)
 
-    def _cached_inputs(self, requests: Sequence[Request], fields: torch.Tensor, query_length: int, scratch: int,
-                       through_end: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _cached_inputs(self, in_order: Optional[slice], fields: torch.Tensor, query_length: int, scratch: int,
+                       through_end: bool, every_query_fed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A cached forward's (ids, positions, write_index) for rows `fields`: query j of a
         row is canvas position block_start - shift + j while inside its span, else a mask that
         writes its key/value to column `scratch`, past every canvas of these rows."""
@@ -272,11 +277,8 @@ class ModelRunner:
         first = fields[:, STEP_FIELDS.index("block_start"), None] - shift
         j = self._arange[None, :query_length]
         source = first + j
-        spans = [(r.length if through_end else r.block_start + r.block_length) - r.block_start + shift
-                 for r in requests]
-        if all(span == query_length for span in spans):
-            # every row feeds all its queries (blocks of one length: the usual batch)
-            ids = self._canvas_at(slot_slice(requests), fields, source)
+        if every_query_fed:
+            ids = self._canvas_at(in_order, fields, source)
             positions = source
             valid = None
         else:
@@ -286,7 +288,7 @@ class ModelRunner:
                 end = first + shift + fields[:, STEP_FIELDS.index("block_length"), None]
             valid = source < end
             inside = source.clamp(max=self.canvas.shape[1] - 1)
-            ids = torch.where(valid, self._canvas_at(slot_slice(requests), fields, inside), self.mask_id)
+            ids = torch.where(valid, self._canvas_at(in_order, fields, inside), self.mask_id)
             positions = torch.where(valid, source, 0)
         # The extra position before the block (Dream) is only a query: its cached key/value stay
         # from the last full forward, as every other position outside the fed span.

@@ -306,8 +306,7 @@ class DecodeState:
                 self._gathered.clear()
             gathered = self._gathered[(slots, width)] = self._slot_rows(rows_of, width)
             return gathered
-        return replace(gathered, first_conf=self.first_conf[rows_of, :width],
-                                   low_yield=self.low_yield[rows_of])
+        return replace(gathered, first_conf=self.first_conf[rows_of, :width], low_yield=self.low_yield[rows_of])
 
     def _slot_rows(self, rows_of: slice | torch.Tensor, width: int) -> SlotRows:
         knobs_f, knobs_i = self.knobs_f[rows_of], self.knobs_i[rows_of]
@@ -460,8 +459,8 @@ def decide_step(state: DecodeState, rows: StepRows, logits: torch.Tensor, block_
     # A full batch is in slot order (the scheduler keeps it sorted): slices, not gathers and scatters
     rows_of = rows.slot_rows if rows.slot_rows is not None else rows.column("slot")
     width = block_tokens.shape[1]
-    slot_rows = state.rows(rows_of, width, rows.traits.slots)
     traits = rows.traits
+    slot_rows = state.rows(rows_of, width, traits.slots)
     schedule = None
     if "cai" in traits.policies:
         schedule = CaiSchedule(state.theta_block(rows), slot_rows.factors, slot_rows.tiers, slot_rows.cai_knobs)
