@@ -55,8 +55,10 @@ class FullForwardCounter:
     def __init__(self, runner: object) -> None:
         self.count = 0
         self._runner = runner
-        self._full = runner._prepare_full  # type: ignore[attr-defined]
-        runner._prepare_full = self  # type: ignore[attr-defined]
+        # `_forward_full` in engines before 2026-11-25 (bench/host_time_ab.py runs older trees)
+        name = "_prepare_full" if hasattr(runner, "_prepare_full") else "_forward_full"
+        self._full = getattr(runner, name)
+        setattr(runner, name, self)
 
     def __call__(self, *args, **kwargs):
         self.count += 1
