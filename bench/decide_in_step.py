@@ -34,6 +34,7 @@ from engine import DecodeParams, Engine, load_model
 from engine.decoding import decide
 
 REPO = Path(__file__).resolve().parents[1]
+BATCH = 8
 
 
 def main() -> None:
@@ -63,12 +64,12 @@ def main() -> None:
     untimed_decide = engine_module.decide_step
 
     def remember(*a: Any) -> Any:
-        if len(a[1].requests) == 8:  # a[1]: the step's rows; the replay is of a full batch's step
+        if len(a[1].requests) == BATCH:  # a[1]: the step's rows; the replay is of a full batch's step
             calls[:] = [a]
         return untimed_decide(*a)
 
     engine_module.decide_step = timed("decide_step", remember)
-    eng = Engine.from_model(load_model(REPO / "models" / "llada-tiny"), max_batch=8)
+    eng = Engine.from_model(load_model(REPO / "models" / "llada-tiny"), max_batch=BATCH)
     params = DecodeParams(policy="cai", gen_length=128, block_length=32, steps=128, cache="dual",
                           refresh_interval=16, early_exit=False)
     generator = torch.Generator().manual_seed(1)
@@ -86,7 +87,7 @@ def main() -> None:
         engine_module.decide_step(*calls[0])
     alone = {name: 1e6 * statistics.median(values) for name, values in spent.items()}
     print(f"# {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, CPU; bundled "
-          f"llada-tiny, CAI + dual, batch 8 kept full by {args.requests} requests; decide_tensors compiled: "
+          f"llada-tiny, CAI + dual, batch {BATCH} kept full by {args.requests} requests; decide_tensors compiled: "
           f"{args.compile}")
     print(f"# command: python bench/decide_in_step.py --threads {args.threads} --requests {args.requests} "
           f"--compile {args.compile}")
