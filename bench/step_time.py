@@ -7,9 +7,10 @@ early exit) and we time every `engine.step()` and every model forward inside it,
 block. "Outside" = step time minus forward time: input building, sampling, the policies, commits,
 cache bookkeeping and the step's one device-to-host transfer, the controller overhead the paper puts
 below 2 %. Medians over the timed steps; "reads" is the most tensor-to-host reads in any one step,
-counted in a second, untimed pass over the same steps (counting patches `torch.Tensor` around each
-step, which costs the step ~0.05-0.1 ms here; before 2026-11-25 afternoon it was counted in the timed
-pass, so older "outside" figures include that).
+counted in a second, untimed pass over the same steps, so that the counter (it patches `torch.Tensor`
+around each step) is not part of what is timed; before 2026-11-25 afternoon it was counted in the timed
+pass. What that cost is within this VM's noise: `python bench/host_time_ab.py --count-reads` against
+the plain run, alternated, gave 1.040 / 1.039 ms against 1.032 / 1.098.
 "cached ms" is the median step time over the steps in which all `batch` rows ran and none ran a full
 forward (with a cache, every row fed only its block, or its block and what follows): CAI starts blocks
 every step or two, so most steps mix in a block start's full forward, and this column is the cached
@@ -27,6 +28,7 @@ server pays it for most of a block.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import statistics
 import time
@@ -102,8 +104,8 @@ def _engine(model: torch.nn.Module, batch: int, cache: str, compile_decide: bool
 def most_reads(model: torch.nn.Module, batch: int, cache: str, steps: int, compile_decide: bool = False,
                policy: str = "cai") -> int:
     """The most host reads in any one of the steps `measure` times, counted in a pass of their own:
-    the counter patches `torch.Tensor`'s methods around every step, which slows the step it counts
-    (the interpreter's attribute caches for tensors are invalidated each time), so it is not timed."""
+    the counter patches `torch.Tensor`'s methods around every step, which is no part of the engine,
+    so it stays out of the timed pass."""
     engine = _engine(model, batch, cache, compile_decide, policy)
     reads, done = 0, 0
     while engine.has_unfinished() and done < steps + 2:
@@ -115,7 +117,10 @@ def most_reads(model: torch.nn.Module, batch: int, cache: str, steps: int, compi
 
 
 def measure(model: torch.nn.Module, batch: int, cache: str, steps: int, compile_decide: bool = False,
-            policy: str = "cai") -> dict:
+            policy: str = "cai", count_reads_while_timed: bool = False) -> dict:
+    """Medians over `steps` timed steps; `count_reads_while_timed` wraps each timed step in the host-read
+    counter as this benchmark did before 2026-11-25 afternoon (bench/host_time_ab.py --count-reads), to
+    show what the counter costs a step."""
     engine = _engine(model, batch, cache, compile_decide, policy)
     timer = ForwardTimer(model)
     full = FullForwardCounter(engine.runner)
@@ -125,9 +130,10 @@ def measure(model: torch.nn.Module, batch: int, cache: str, steps: int, compile_
         while engine.has_unfinished() and len(step_ms) < steps:
             timer.total = 0.0
             full.count = 0
-            start = time.perf_counter()
-            outputs = engine.step()
-            took = time.perf_counter() - start
+            with count_host_reads() if count_reads_while_timed else contextlib.nullcontext():
+                start = time.perf_counter()
+                outputs = engine.step()
+                took = time.perf_counter() - start
             if warm < 2:  # first-call allocations and the first block start
                 warm += 1
                 continue
