@@ -8,9 +8,7 @@ block. "Outside" = step time minus forward time: input building, sampling, the p
 cache bookkeeping and the step's one device-to-host transfer, the controller overhead the paper puts
 below 2 %. Medians over the timed steps; "reads" is the most tensor-to-host reads in any one step,
 counted in a second, untimed pass over the same steps, so that the counter (it patches `torch.Tensor`
-around each step) is not part of what is timed; before 2026-11-25 afternoon it was counted in the timed
-pass. What that cost is within this VM's noise: `python bench/host_time_ab.py --count-reads` against
-the plain run, alternated, gave 1.040 / 1.039 ms against 1.032 / 1.098.
+around each step) is not part of what is timed.
 "cached ms" is the median step time over the steps in which all `batch` rows ran and none ran a full
 forward (with a cache, every row fed only its block, or its block and what follows): CAI starts blocks
 every step or two, so most steps mix in a block start's full forward, and this column is the cached
@@ -22,13 +20,11 @@ token a step, so a block is one full step and 31 cached ones): the cached step o
 server pays it for most of a block.
 
     python bench/step_time.py --steps 48 --threads 2 > bench/results/step_time_cpu.txt
-    python bench/step_time.py --steps 48 --threads 2 --compile-decide   # the decide step compiled
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import platform
 import statistics
 import time
@@ -38,6 +34,7 @@ import torch
 
 from engine import DecodeParams, Engine, load_model
 from engine.host_reads import count_host_reads
+from engine.model_runner import ModelRunner
 from engine.models.llada import LLaDAModel
 from engine.special_tokens import SpecialTokens
 
@@ -57,13 +54,11 @@ def random_llada(d_model: int, layers: int, heads: int, mlp: int, vocab: int) ->
 class FullForwardCounter:
     """Counts the model runner's full forwards (a block start, a refresh, or no cache)."""
 
-    def __init__(self, runner: object) -> None:
+    def __init__(self, runner: ModelRunner) -> None:
         self.count = 0
         self._runner = runner
-        # `_forward_full` in engines before 2026-11-25 (bench/host_time_ab.py runs older trees)
-        name = "_prepare_full" if hasattr(runner, "_prepare_full") else "_forward_full"
-        self._full = getattr(runner, name)
-        setattr(runner, name, self)
+        self._full = runner._prepare_full
+        runner._prepare_full = self
 
     def __call__(self, *args, **kwargs):
         self.count += 1
@@ -89,9 +84,9 @@ class ForwardTimer:
         del self._model.forward
 
 
-def _engine(model: torch.nn.Module, batch: int, cache: str, compile_decide: bool, policy: str) -> Engine:
+def _engine(model: torch.nn.Module, batch: int, cache: str, policy: str) -> Engine:
     """An engine with `batch` requests waiting (the same random prompts every call)."""
-    engine = Engine.from_model(model, max_batch=batch, compile_decide=compile_decide)
+    engine = Engine.from_model(model, max_batch=batch)
     gen = torch.Generator().manual_seed(1)
     vocab = min(model.special.mask_id, model.config.vocab_size) - 8
     params = DecodeParams(policy=policy, gen_length=128, block_length=32, steps=128, cache=cache, early_exit=False,
@@ -101,12 +96,11 @@ def _engine(model: torch.nn.Module, batch: int, cache: str, compile_decide: bool
     return engine
 
 
-def most_reads(model: torch.nn.Module, batch: int, cache: str, steps: int, compile_decide: bool = False,
-               policy: str = "cai") -> int:
+def most_reads(model: torch.nn.Module, batch: int, cache: str, steps: int, policy: str = "cai") -> int:
     """The most host reads in any one of the steps `measure` times, counted in a pass of their own:
     the counter patches `torch.Tensor`'s methods around every step, which is no part of the engine,
     so it stays out of the timed pass."""
-    engine = _engine(model, batch, cache, compile_decide, policy)
+    engine = _engine(model, batch, cache, policy)
     reads, done = 0, 0
     while engine.has_unfinished() and done < steps + 2:
         with count_host_reads() as counted:
@@ -116,12 +110,9 @@ def most_reads(model: torch.nn.Module, batch: int, cache: str, steps: int, compi
     return reads
 
 
-def measure(model: torch.nn.Module, batch: int, cache: str, steps: int, compile_decide: bool = False,
-            policy: str = "cai", count_reads_while_timed: bool = False) -> dict:
-    """Medians over `steps` timed steps; `count_reads_while_timed` wraps each timed step in the host-read
-    counter as this benchmark did before 2026-11-25 afternoon (bench/host_time_ab.py --count-reads), to
-    show what the counter costs a step."""
-    engine = _engine(model, batch, cache, compile_decide, policy)
+def measure(model: torch.nn.Module, batch: int, cache: str, steps: int, policy: str = "cai") -> dict:
+    """Medians over `steps` timed steps."""
+    engine = _engine(model, batch, cache, policy)
     timer = ForwardTimer(model)
     full = FullForwardCounter(engine.runner)
     step_ms, outside_ms, cached_ms, full_batch_outside_ms = [], [], [], []
@@ -130,10 +121,9 @@ def measure(model: torch.nn.Module, batch: int, cache: str, steps: int, compile_
         while engine.has_unfinished() and len(step_ms) < steps:
             timer.total = 0.0
             full.count = 0
-            with count_host_reads() if count_reads_while_timed else contextlib.nullcontext():
-                start = time.perf_counter()
-                outputs = engine.step()
-                took = time.perf_counter() - start
+            start = time.perf_counter()
+            outputs = engine.step()
+            took = time.perf_counter() - start
             if warm < 2:  # first-call allocations and the first block start
                 warm += 1
                 continue
@@ -158,7 +148,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--skip-large", action="store_true", help="leave out the 100M random model")
-    parser.add_argument("--compile-decide", action="store_true", help="EngineConfig.compile_decide")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     models = {"bundled llada-tiny": load_model(REPO / "models" / "llada-tiny"),
@@ -169,7 +158,7 @@ def main() -> None:
     print(f"# {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, float32, CPU; "
           f"CAI (rows marked fixed: one token a step), prompt 64 + 128 generated, block 32, refresh 16, "
           f"medians of {args.steps} steps after 2 warm-up")
-    flags = (" --skip-large" if args.skip_large else "") + (" --compile-decide" if args.compile_decide else "")
+    flags = " --skip-large" if args.skip_large else ""
     print(f"# command: python bench/step_time.py --steps {args.steps} --threads {args.threads}{flags}")
     print(f"{'model':30s} {'batch':>5s} {'cache':>6s} {'step ms':>8s} {'forward ms':>10s} {'outside ms':>10s} "
           f"{'outside %':>9s} {'reads/step':>10s} {'cached ms':>9s} {'n':>3s} {'full-batch outside':>18s} {'n':>3s}")
@@ -178,8 +167,8 @@ def main() -> None:
         rows = [("cai", batch, cache) for batch in (1, 8) for cache in ("none", "prefix", "dual")]
         rows += [("fixed", batch, cache) for batch in (1, 8) for cache in ("prefix", "dual")]
         for policy, batch, cache in rows:
-            r = measure(model, batch, cache, args.steps, args.compile_decide, policy)
-            r["reads"] = most_reads(model, batch, cache, args.steps, args.compile_decide, policy)
+            r = measure(model, batch, cache, args.steps, policy)
+            r["reads"] = most_reads(model, batch, cache, args.steps, policy)
             cached = "-" if r["cached_ms"] is None else f"{r['cached_ms']:.2f}"
             full_batch = "-" if r["full_batch_outside_ms"] is None else f"{r['full_batch_outside_ms']:.2f}"
             label = name if policy == "cai" else f"{name} fixed"

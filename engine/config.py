@@ -16,9 +16,6 @@ class EngineConfig:
     max_batch: int = 8  # rows decoded together in one step
     use_flash_attn: Optional[bool] = None  # None: when installed and usable
     max_model_len: Optional[int] = None  # prompt + canvas; None: the model's context
-    # compile the decide step (torch.compile): less host time a step, seconds of compiling per new
-    # batch shape family at the start (bench/step_time.py --compile-decide)
-    compile_decide: bool = False
     # run the dual-cache step as CUDA graphs, one per batch bucket (engine.dual_graphs); CUDA only, off
     # until a GPU run shows it pays (docs/performance.md)
     cuda_graphs: bool = False

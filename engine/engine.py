@@ -6,9 +6,10 @@ schedule -> run -> postprocess:
         for output in engine.step():                      # one StepOutput per row
             output.new_token_ids, output.finished, output.result
 
-`step()` = the scheduler admits waiting requests into free slots; the model runner builds the
-inputs and runs the forwards; the decide step (the policies) commits tokens; one device-to-host
-transfer brings every row's summary back; the scheduler advances and finishes rows from it.
+`step()` = the scheduler admits waiting requests into free slots (`Slots.admit` writes their device
+state); the step's `Batch` is built; the model runner runs the forwards; the decide step (the
+policies) commits tokens; one device-to-host transfer brings every row's summary back; the scheduler
+advances and finishes rows from it.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from typing import Any, Optional, Union
 
 import torch
 
+from engine import summary
+from engine.batch import Batch
 from engine.config import EngineConfig
-from engine.decoding.decide import BatchTraits, DecodeState, LogprobColumns, StepRows, decide_step
+from engine.decoding.decide import decide_step
 from engine.decoding.params import DecodeParams, resolve_defaults
 from engine.decoding.types import GenerationRequest, GenerationResult
 from engine.dual_graphs import DualStepGraphs
@@ -33,6 +36,7 @@ from engine.models.transformer import DiffusionTransformer
 from engine.request import Request, StepOutput
 from engine.scheduler import Scheduler
 from engine.scoring import prompt_logprobs, scoring_cost
+from engine.slots import Slots
 
 Prompt = Union[GenerationRequest, Sequence[int], str]
 
@@ -50,11 +54,11 @@ class Engine:
 
     @classmethod
     def from_model(cls, model: DiffusionTransformer, tokenizer: Optional[Any] = None, max_batch: int = 8,
-                   compile_decide: bool = False, cuda_graphs: bool = False) -> Engine:
+                   cuda_graphs: bool = False) -> Engine:
         """An engine over an already loaded model (tests, training, benchmarks)."""
         engine = cls.__new__(cls)
         config = EngineConfig(model="", device=str(model.device), dtype=str(model.dtype).removeprefix("torch."),
-                              max_batch=max_batch, compile_decide=compile_decide, cuda_graphs=cuda_graphs)
+                              max_batch=max_batch, cuda_graphs=cuda_graphs)
         engine._setup(config, model, tokenizer)
         return engine
 
@@ -72,12 +76,10 @@ class Engine:
 
     def reset(self) -> None:
         """Drop every request, waiting or running (after a failed step)."""
-        self.scheduler = Scheduler(self.max_batch)
+        self.scheduler = Scheduler(self.max_batch, self.model.device)
+        self.slots = Slots(self.model, self.max_batch)
         graphs = DualStepGraphs(self.model, self.max_batch, capture=True) if self.config.cuda_graphs else None
-        self.runner = ModelRunner(self.model, self.max_batch, graphs)
-        self.decode_state = DecodeState(self.max_batch, self.model.device, self.config.compile_decide)
-        self._device = self.model.device
-        self._traits: Optional[BatchTraits] = None  # the last step's, reused while the batch is the same
+        self.runner = ModelRunner(self.model, self.slots, graphs)
 
     @property
     def architecture(self) -> str:
@@ -118,8 +120,8 @@ class Engine:
         ids = tuple(int(t) for t in prompt_ids)
         resolved = self.validate(ids, params or DecodeParams())
         request_id = request_id or f"req-{next(self._ids)}"
-        request = Request(GenerationRequest(ids, resolved, request_id), resolved, self.model.special.mask_id,
-                          self._end_set, queued_at if queued_at is not None else time.perf_counter())
+        request = Request(request_id, ids, resolved, self.model.special.mask_id, self._end_set,
+                          queued_at if queued_at is not None else time.perf_counter())
         self.scheduler.add(request)
         return request_id
 
@@ -141,25 +143,17 @@ class Engine:
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
         """One denoising iteration of every running row (after admitting waiting requests)."""
-        _, admitted = self.scheduler.schedule()
-        rows = self.scheduler.running
-        for request in admitted:
-            request.admit(request.slot, self._device)
-            self.runner.admit(request, rows)
-            self.decode_state.admit(request)
-        if not rows:
+        for request in self.scheduler.schedule():
+            self.slots.admit(request, self.scheduler.running)
+        if not self.scheduler.running:
             return []
-        rows = list(rows)
-        step_rows = StepRows.build(rows, self._device, self._traits)
-        self._traits = step_rows.traits
-        inputs = self.runner.run(step_rows)
-        new_tokens, summary = decide_step(self.decode_state, step_rows, inputs.logits, inputs.block_tokens,
-                                          inputs.in_block, self.model.special.mask_id, self._end_ids)
-        self.runner.commit(step_rows, inputs, new_tokens)
-        host = summary.tolist()  # the step's one device-to-host transfer
-        logprob_k = step_rows.traits.logprob_k
-        columns = LogprobColumns(step_rows.width, logprob_k) if logprob_k >= 0 else None
-        return self.scheduler.postprocess(rows, host, inputs.fed_tokens, columns)
+        batch = Batch.build(list(self.scheduler.running), self.model.device)
+        out = self.runner.run(batch)
+        new_tokens, encoded = decide_step(batch, self.slots.tables, out.logits, out.block_tokens, out.in_block,
+                                          self.model.special.mask_id, self._end_ids)
+        self.runner.commit(batch, out, new_tokens)
+        rows = summary.decode(encoded.tolist(), batch.width, batch.logprob_k)  # the step's one device-to-host read
+        return self.scheduler.postprocess(batch.requests, rows, out.fed_tokens)
 
     # ------------------------------------------------------------------ likelihood
 

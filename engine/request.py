@@ -2,8 +2,8 @@
 
 A `Request` is host-side bookkeeping only: where the row is in its canvas (block, step), a host
 mirror of its generated tokens, its telemetry, and the slot whose device tensors hold the rest
-(canvas, CAI state, knobs: `engine.model_runner` and `engine.decoding.decide`). Everything here is
-updated from the one summary a step transfers back, so no field needs a device read of its own.
+(canvas, KV cache, knobs, CAI state: `engine.slots`). Everything here is updated from the one
+summary a step transfers back (`engine.summary`), so no field needs a device read of its own.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from engine.decoding.params import DecodeParams
 from engine.decoding.policies import dream_quota, dream_transfer_fractions, fixed_quota
-from engine.decoding.types import GenerationRequest, GenerationResult, RequestStats, TokenLogprob
+from engine.decoding.types import GenerationResult, RequestStats, TokenLogprob
 
 FORWARD_FULL, FORWARD_DUAL, FORWARD_PREFIX = "full", "dual", "prefix"
 
@@ -53,10 +53,10 @@ class StepOutput:
 class Request:
     """Host state of one request, from `Engine.add_request` until it finishes or is aborted."""
 
-    def __init__(self, request: GenerationRequest, params: DecodeParams, mask_id: int, end_ids: frozenset[int],
-                 queued_at: float) -> None:
-        self.request_id = request.request_id
-        self.prompt_ids = tuple(request.prompt_ids)
+    def __init__(self, request_id: str, prompt_ids: Sequence[int], params: DecodeParams, mask_id: int,
+                 end_ids: frozenset[int], queued_at: float) -> None:
+        self.request_id = request_id
+        self.prompt_ids = tuple(prompt_ids)
         self.params = params  # resolved: no None left where the model decides
         self.prompt_len = len(self.prompt_ids)
         self.gen_length = params.gen_length
@@ -85,7 +85,8 @@ class Request:
         self.started = 0.0
         self.stats = RequestStats(fixed_step_budget=self.num_blocks * self.steps_per_block)
 
-    def admit(self, slot: int, device: torch.device) -> None:
+    def start(self, slot: int, device: torch.device) -> None:
+        """The request takes `slot` (its device state is written by `Slots.admit`)."""
         self.slot = slot
         self.started = time.perf_counter()
         self.stats.queue_time = self.started - self.queued_at
@@ -134,14 +135,3 @@ class Request:
     def first_end(self) -> Optional[int]:
         return next((i for i, t in enumerate(self.generated) if t in self.end_ids), None)
 
-
-def slot_slice(requests: Sequence[Request]) -> Optional[slice]:
-    """The slots of `requests` as a slice when they are consecutive and in order (a full batch, which
-    the scheduler keeps sorted, or what is left of one), else None: slot-indexed buffers are then
-    read and written through views rather than gathers and scatters."""
-    if not requests:
-        return None
-    first = requests[0].slot
-    if all(r.slot == first + b for b, r in enumerate(requests)):
-        return slice(first, first + len(requests))
-    return None

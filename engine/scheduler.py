@@ -1,8 +1,8 @@
 """The scheduler: waiting and running requests, slots, admission, abort, and the step's postprocess.
 
 `schedule()` admits waiting requests into free slots (step-level continuous batching: a request
-joins at the next step, a finished or aborted one leaves at once) and returns the step's rows.
-`postprocess()` reads the step's one host summary and advances each row: its counters and telemetry,
+joins at the next step, a finished or aborted one leaves at once) and returns the newly admitted.
+`postprocess()` reads the step's one host summary (`engine.summary`) and advances each row: its counters and telemetry,
 the tokens that became final, the move to the next block, and finishing (early exit at the first
 end token with no mask before it, or the last block done).
 
@@ -20,20 +20,19 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Optional
 
-from engine.decoding.decide import SUMMARY_COLUMNS, LogprobColumns
+import torch
+
 from engine.decoding.types import FINISH_LENGTH, FINISH_STOP, GenerationResult, TokenLogprob
 from engine.request import Request, StepOutput
-
-_COMMITTED, _STILL_MASKED, _FORCED, _BAND_HIGH, _BAND_LOW, _GRINDING, _END_POS, _FIRST_MASKED = range(
-    len(SUMMARY_COLUMNS))
-_TOKENS = len(SUMMARY_COLUMNS)
+from engine.summary import RowSummary
 
 
 class Scheduler:
-    def __init__(self, max_batch: int) -> None:
+    def __init__(self, max_batch: int, device: torch.device) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.max_batch = max_batch
+        self.device = device
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._free_slots = list(range(max_batch))  # a heap: rows take the lowest free slot
@@ -76,9 +75,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the stepping thread
 
-    def schedule(self) -> tuple[list[Request], list[Request]]:
-        """Apply pending aborts, admit waiting requests into free slots. Returns (aborted running
-        requests, newly admitted requests); `self.running` is the step's rows."""
+    def schedule(self) -> list[Request]:
+        """Apply pending aborts, admit waiting requests into free slots. Returns the newly admitted
+        requests; `self.running` is the step's rows."""
         with self._lock:
             aborts, self._aborts = self._aborts, set()
             aborted = [r for r in self.running if r.request_id in aborts]
@@ -89,33 +88,32 @@ class Scheduler:
             admitted = []
             while self.waiting and self._free_slots:
                 request = self.waiting.popleft()
-                request.slot = heapq.heappop(self._free_slots)
+                request.start(heapq.heappop(self._free_slots), self.device)
                 self.running.append(request)
                 admitted.append(request)
             if admitted:  # in slot order, so a cached forward over the slots needs no reordering
                 self.running.sort(key=lambda r: r.slot)
-        return aborted, admitted
+        return admitted
 
     def _release(self, request: Request) -> None:
         heapq.heappush(self._free_slots, request.slot)
         self._known.discard(request.request_id)
 
-    def postprocess(self, rows: Sequence[Request], summary: list[list[int]], fed: Sequence[int],
-                    logprobs: Optional[LogprobColumns] = None) -> list[StepOutput]:
-        """Advance every row by the step's host summary; finished rows leave the batch. `logprobs`
-        says where the summary keeps them, when a row of the step asked for them."""
+    def postprocess(self, rows: Sequence[Request], summary: Sequence[RowSummary],
+                    fed: Sequence[int]) -> list[StepOutput]:
+        """Advance every row by the step's host summary; finished rows leave the batch."""
         outputs: list[StepOutput] = []
         finished: list[Request] = []
         for request, info, fed_tokens in zip(rows, summary, fed, strict=True):
             # generated tokens that can no longer change: no mask before them
-            stable = request.block_start - request.prompt_len + min(info[_FIRST_MASKED], request.block_length)
-            if request.logprobs is not None and logprobs is not None:
-                self._record_logprobs(request, info, logprobs)
+            stable = request.block_start - request.prompt_len + min(info.first_masked, request.block_length)
+            if request.logprobs is not None:
+                self._record_logprobs(request, info)
             result = self._advance(request, info)
             if result is not None:
                 stable = len(result.generated_ids)
             new_ids, new_logprobs = request.take_new_final(stable)
-            outputs.append(StepOutput(request.request_id, new_ids, info[_COMMITTED], fed_tokens, result,
+            outputs.append(StepOutput(request.request_id, new_ids, info.committed, fed_tokens, result,
                                       new_logprobs))
             if result is not None:
                 finished.append(request)
@@ -128,36 +126,36 @@ class Scheduler:
         return outputs
 
     @staticmethod
-    def _record_logprobs(request: Request, info: list[int], columns: LogprobColumns) -> None:
+    def _record_logprobs(request: Request, info: RowSummary) -> None:
         """The logprobs of the positions this step committed (masked before it, a token after)."""
         offset = request.block_start - request.prompt_len
         k = request.params.logprobs or 0
         for position in range(request.block_length):
-            token = info[_TOKENS + position]
+            token = info.tokens[position]
             if request.generated[offset + position] == request.mask_id and token != request.mask_id:
-                chosen, top = columns.read(info, position)
+                chosen, top = info.logprob(position)
                 request.logprobs[offset + position] = TokenLogprob(token, chosen, top[:k])  # type: ignore[index]
 
-    def _advance(self, request: Request, info: list[int]) -> Optional[GenerationResult]:
+    def _advance(self, request: Request, info: RowSummary) -> Optional[GenerationResult]:
         offset = request.block_start - request.prompt_len
         width = request.block_length
-        request.generated[offset:offset + width] = info[_TOKENS:_TOKENS + width]
+        request.generated[offset:offset + width] = info.tokens[:width]
         stats = request.stats
         stats.nfe += 1
-        stats.tokens_per_step.append(info[_COMMITTED])
-        stats.forced_commits += info[_FORCED]
-        stats.grinding_exits += info[_GRINDING]
+        stats.tokens_per_step.append(info.committed)
+        stats.forced_commits += info.forced
+        stats.grinding_exits += info.grinding_exit
         if request.step == 0:  # every position of the block was a candidate
             bands = stats.first_step_confidence_bands
-            bands[0] += info[_BAND_HIGH]
-            bands[1] += request.masked_now - info[_BAND_HIGH] - info[_BAND_LOW]
-            bands[2] += info[_BAND_LOW]
-        request.masked_now = info[_STILL_MASKED]
-        if request.params.stops_at_end and info[_END_POS] < info[_FIRST_MASKED]:  # an end token, no mask before it
+            bands[0] += info.band_high
+            bands[1] += request.masked_now - info.band_high - info.band_low
+            bands[2] += info.band_low
+        request.masked_now = info.still_masked
+        if request.params.stops_at_end and info.end_pos < info.first_masked:  # an end token, no mask before it
             stats.steps_per_block.append(request.step + 1)
-            end = offset + info[_END_POS]
+            end = offset + info.end_pos
             return self._result(request, FINISH_STOP, request.generated[:end + 1], end)
-        if info[_STILL_MASKED]:
+        if info.still_masked:
             request.step += 1
             return None
         stats.steps_per_block.append(request.step + 1)

@@ -561,9 +561,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_setting(engine, "max_logprobs", type=int, help="most top logprobs a request may ask for per token")
     _add_setting(engine, "max_score_tokens", type=int,
                  help="most tokens one likelihood-scoring request (echo + logprobs) may feed the model")
-    _add_setting(engine, "compile_decide", action=argparse.BooleanOptionalAction,
-                 help="compile the decide step (torch.compile): less host time a step, seconds of compiling "
-                      "per new batch shape at the start")
     _add_setting(engine, "cuda_graphs", action=argparse.BooleanOptionalAction,
                  help="run the dual-cache step as CUDA graphs, one per batch bucket (CUDA only)")
     sv = serve.add_argument_group("server")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine import DecodeParams, Engine, EngineConfig, load_model
+from engine.batch import Batch
 from engine.chat import chat_prompt_ids
-from engine.decoding.decide import StepRows
 from engine.dual_graphs import DualStepGraphs, batch_buckets
 from engine.loading.tokenizer import load_tokenizer
 from tinymodels.evaluate import held_out_problems
@@ -81,15 +81,15 @@ def test_static_dual_forward_leaves_other_slots_caches_alone(llada_model):
     row = engine.scheduler.running[2]
     assert row.slot == 2
     block = slice(row.block_start, row.block_start + row.block_length)
-    for keys in runner.store.keys:
+    for keys in engine.slots.store.keys:
         keys[2, :, block] = 0  # so that the dual forward's writes show
-    before = [k.clone() for k in runner.store.keys]
+    before = [k.clone() for k in engine.slots.store.keys]
     row.step = 1  # a dual step of slot 2 alone
-    inputs = runner.run(StepRows.build([row], llada_model.device))
+    inputs = runner.run(Batch.build([row], llada_model.device))
     assert inputs.logits.shape[0] == 1
-    scratch = runner.store.width - 1
-    assert not runner.store.key_mask[:, scratch].any(), "no row attends the scratch column"
-    for old, new in zip(before, runner.store.keys, strict=True):
+    scratch = engine.slots.store.width - 1
+    assert not engine.slots.store.key_mask[:, scratch].any(), "no row attends the scratch column"
+    for old, new in zip(before, engine.slots.store.keys, strict=True):
         assert torch.equal(old[[0, 1, 3], :, :scratch], new[[0, 1, 3], :, :scratch])
         untouched = torch.ones(scratch, dtype=torch.bool)
         untouched[block] = False

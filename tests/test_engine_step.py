@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine import DecodeParams, Engine, load_model
+from engine.batch import Batch
 from engine.chat import chat_prompt_ids
 from engine.decoding.decide import POLICIES
 from engine.host_reads import count_host_reads
@@ -57,94 +58,36 @@ def test_one_host_read_per_step_whatever_the_batch(llada_model, dream_model, cac
         assert steps > 1
 
 
-def test_rows_in_slot_order_decide_as_gathered_rows(llada_model):
-    """A full batch reads and writes its slot state as slices; the same rows gathered by slot index
-    (the path of a batch with gaps) decide the same tokens, summary and CAI state, step after step."""
-    import copy
+def test_a_slot_range_reads_the_store_as_a_view_and_gaps_gather_the_same_rows(llada_model):
+    """Rows of consecutive slots attend over a view of the KV store; the same rows read out of the
+    store by slot index (a batch with gaps) give the same logits, step after step."""
     import dataclasses
 
-    from engine.decoding.decide import STEP_FIELDS, DecodeState, StepRows, decide_step
-
     engine = Engine.from_model(llada_model, max_batch=6)  # two slots stay free
-    for i, policy in enumerate(("cai", "cai", "threshold", "cai")):
-        engine.add_request([1 + i, 2, 3], DecodeParams(policy=policy, gen_length=16, block_length=8, cache="dual",
-                                                       theta_s=0.5 + 0.1 * i))
-    _, admitted = engine.scheduler.schedule()
-    state = DecodeState(6, llada_model.device)
-    for request in admitted:
-        state.admit(request)
-    rows = StepRows.build(engine.scheduler.running, llada_model.device)
-    assert rows.slot_rows == slice(0, 4)
-    states = {True: state, False: copy.deepcopy(state)}
-    mask_id = llada_model.special.mask_id
-    end_ids = torch.tensor(llada_model.special.end_ids)
-    generator = torch.Generator().manual_seed(0)
-    blocks = {flag: torch.full((4, 8), mask_id) for flag in states}
-    for step in range(3):
-        logits = torch.randn(4, 8, llada_model.config.vocab_size, generator=generator) * 4
-        out = {}
-        for flag, decode_state in states.items():
-            traits = dataclasses.replace(rows.traits, slot_rows=rows.slot_rows if flag else None)
-            step_rows = dataclasses.replace(rows, traits=traits, fields=rows.fields.clone())
-            step_rows.fields[:, STEP_FIELDS.index("step")] = step
-            step_rows.fields[:, STEP_FIELDS.index("schedule_step")] = step  # every row is in its first block
-            out[flag] = decide_step(decode_state, step_rows, logits, blocks[flag], torch.ones(4, 8, dtype=torch.bool),
-                                    mask_id, end_ids)
-            blocks[flag] = out[flag][0]
-        assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
-        assert torch.equal(states[True].first_conf, states[False].first_conf)
-        assert torch.equal(states[True].low_yield, states[False].low_yield)
-
-
-def test_slot_ranges_are_slices_and_gaps_are_not():
-    from types import SimpleNamespace
-
-    from engine.request import slot_slice
-
-    def rows(*slots):
-        return [SimpleNamespace(slot=s) for s in slots]
-
-    assert slot_slice(rows(0, 1, 2, 3)) == slice(0, 4)
-    assert slot_slice(rows(2, 3, 4)) == slice(2, 5)  # what is left of a batch whose first rows finished
-    assert slot_slice(rows(5)) == slice(5, 6)
-    assert slot_slice(rows(1, 3, 5)) is None
-    assert slot_slice(rows(1, 0)) is None  # out of order
-    assert slot_slice([]) is None
-
-
-def test_batch_traits_are_reused_only_for_the_same_rows(llada_model):
-    """StepRows.build keeps the last step's host traits while the batch is the same requests, and
-    makes new ones when a row joins or leaves (the traits hold the rows' slots and policies)."""
-    from engine.decoding.decide import StepRows
-
-    engine = Engine.from_model(llada_model, max_batch=4)
-    for i, policy in enumerate(("cai", "threshold", "fixed")):
-        engine.add_request([1 + i, 2, 3], DecodeParams(policy=policy, gen_length=16, block_length=8))
-    engine.scheduler.schedule()
-    running = list(engine.scheduler.running)
-    first = StepRows.build(running, llada_model.device)
-    again = StepRows.build(running, llada_model.device, first.traits)
-    assert again.traits is first.traits
-    fewer = StepRows.build(running[1:], llada_model.device, first.traits)
-    assert fewer.traits is not first.traits
-    assert fewer.traits.policies == frozenset({"threshold", "fixed"}) and fewer.slot_rows == slice(1, 3)
-    assert fewer.fields.shape[0] == 2
+    for i in range(4):  # the fixed schedule: one token a step, dual-cache steps after each block's first
+        engine.add_request([1 + i, 2, 3], DecodeParams(policy="fixed", gen_length=16, block_length=8, steps=16,
+                                                       cache="dual"))
+    engine.step()  # the full forwards fill the rows' caches
+    for _ in range(3):
+        batch = Batch.build(list(engine.scheduler.running), llada_model.device)
+        assert batch.slot_range == slice(0, 4)
+        assert {r.forward_kind() for r in batch.requests} == {"dual"}
+        viewed = engine.runner.run(batch).logits
+        gathered = engine.runner.run(dataclasses.replace(batch, slot_range=None)).logits
+        assert torch.equal(viewed, gathered)
+        engine.step()
+    engine.abort(engine.scheduler.running[1].request_id)
+    engine.step()
+    assert Batch.build(list(engine.scheduler.running), llada_model.device).slot_range is None
 
 
 def test_cai_reads_its_tabulated_schedule_as_cai_step_computes_it(llada_model):
     """The engine tabulates theta_b(t), the quarters and Box 5's tiers once per request; at any
     block and step, with any stored s_i and counter, it commits what `cai_step` decides from scratch."""
     from engine.decoding import policies as P
-    from engine.decoding.decide import (
-        _BOOL_KNOBS,
-        _FLOAT_KNOBS,
-        _INT_KNOBS,
-        DecodeState,
-        StepRows,
-        cai_knobs,
-        decide_step,
-    )
+    from engine.decoding.decide import decide_step
     from engine.decoding.sampling import confidence, predict
+    from engine.decoding.state import BOOL_KNOBS, FLOAT_KNOBS, INT_KNOBS, DecodeTables, cai_knobs
 
     params = [DecodeParams(policy="cai", gen_length=64, block_length=16, steps=64),
               DecodeParams(policy="cai", gen_length=128, block_length=16, steps=64, gating=True,
@@ -156,10 +99,11 @@ def test_cai_reads_its_tabulated_schedule_as_cai_step_computes_it(llada_model):
     engine = Engine.from_model(llada_model, max_batch=4)
     for i, p in enumerate(params):
         engine.add_request([1 + i, 2, 3], p)
-    _, admitted = engine.scheduler.schedule()
-    state = DecodeState(4, llada_model.device)
+    admitted = engine.scheduler.schedule()
+    state = DecodeTables(4, llada_model.device)
+    state.grow(32, max(r.num_blocks * r.steps_per_block for r in admitted))
     for request in admitted:
-        state.admit(request)
+        state.write(request)
     requests = engine.scheduler.running
     width, mask_id = 32, llada_model.special.mask_id
     lengths = torch.tensor([r.block_length for r in requests])
@@ -169,28 +113,28 @@ def test_cai_reads_its_tabulated_schedule_as_cai_step_computes_it(llada_model):
         for r in requests:
             r.block = int(torch.randint(r.num_blocks, (1,), generator=generator))
             r.step = int(torch.randint(r.steps_per_block, (1,), generator=generator))
-        rows = StepRows.build(requests, llada_model.device)
+        rows = Batch.build(list(requests), llada_model.device)
         logits = torch.randn(4, width, llada_model.config.vocab_size, generator=generator) * 3
         done = torch.rand(4, width, generator=generator) < 0.3
         block_tokens = torch.where(done, 5, mask_id)
         state.first_conf[:, :width] = torch.rand(4, width, generator=generator)
         state.low_yield[:] = torch.randint(0, 3, (4,), generator=generator)
         stored, counter = state.first_conf[:, :width].clone(), state.low_yield.clone()
-        new_tokens, _ = decide_step(state, rows, logits, block_tokens, in_block, mask_id,
+        new_tokens, _ = decide_step(rows, state, logits, block_tokens, in_block, mask_id,
                                     torch.tensor(llada_model.special.end_ids))
 
         x0 = predict(logits, [], mask_id)
         conf = confidence(logits, x0, torch.zeros(4, dtype=torch.long), {0})
         candidates = (block_tokens == mask_id) & in_block
-        step, block = rows.column("step"), rows.column("block")
-        i = dict(zip(_INT_KNOBS, state.knobs_i[:, :len(_INT_KNOBS)].unbind(1), strict=True))
-        knobs = cai_knobs(dict(zip(_FLOAT_KNOBS, state.knobs_f[:, :len(_FLOAT_KNOBS)].unbind(1), strict=True)), i,
-                          dict(zip(_BOOL_KNOBS, state.knobs_b[:, :len(_BOOL_KNOBS)].unbind(1), strict=True)))
+        step, block = rows.step, rows.block
+        i = dict(zip(INT_KNOBS, state.knobs_i.unbind(1), strict=True))
+        knobs = cai_knobs(dict(zip(FLOAT_KNOBS, state.knobs_f.unbind(1), strict=True)), i,
+                          dict(zip(BOOL_KNOBS, state.knobs_b.unbind(1), strict=True)))
         expected = P.cai_step(conf, candidates, step, i["steps_per_block"], block, i["num_blocks"], i["block_length"],
                               P.CaiState(P.box2_first_step_confidence(conf, stored, step), counter), knobs)
         assert torch.equal(new_tokens != block_tokens, expected.commit)
         assert torch.equal(state.low_yield, expected.low_yield)
-        assert rows.column("schedule_step").tolist() == [r.block * r.steps_per_block + r.step for r in requests]
+        assert rows.schedule_step.tolist() == [r.block * r.steps_per_block + r.step for r in requests]
 
 
 def test_the_mask_token_is_never_predicted():
@@ -257,17 +201,3 @@ def test_streamed_text_equals_the_whole_response(tiny_engine_parts, held_out_pro
         assert streamed[request_id].finish_reason == whole.finish_reason
         text = tokenizer.decode(result.response_ids, skip_special_tokens=True)  # the offline text
         assert text.startswith(whole.text) and (whole.stopped_by_string or text == whole.text)
-
-
-@pytest.mark.slow
-def test_compiled_decide_step_gives_the_same_tokens(llada_model):
-    """EngineConfig.compile_decide: every policy, rows joining and leaving (the batch size changes),
-    the same tokens and telemetry as the eager decide step; a sampling row takes the eager path."""
-    for model in (llada_model,):  # each new mix of policies compiles anew: one model keeps CI short
-        prompts = [[1 + i, 2, 3, 4][: 2 + i % 3] for i in range(10)]
-        params = [_mixed_params(i, "dual") for i in range(10)]
-        eager = Engine.from_model(model, max_batch=4).generate(prompts, params)
-        compiled = Engine.from_model(model, max_batch=4, compile_decide=True).generate(prompts, params)
-        for a, b in zip(eager, compiled, strict=True):
-            assert a.generated_ids == b.generated_ids and a.finish_reason == b.finish_reason
-            assert a.stats.as_dict() | {"wall_time": 0} == b.stats.as_dict() | {"wall_time": 0}

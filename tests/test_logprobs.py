@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import DecodeParams, Engine
-from engine.decoding.decide import SUMMARY_COLUMNS, LogprobColumns, float_bits
+from engine import DecodeParams, Engine, summary
 from engine.decoding.sampling import filter_min_p, token_logprobs
 from engine.decoding.types import TokenLogprob
 from engine.host_reads import count_host_reads
@@ -30,17 +29,22 @@ def test_token_logprobs_are_the_raw_log_softmax_and_its_top_k():
     assert values0.shape == (1, 2, 0) and ids0.shape == (1, 2, 0) and torch.equal(chosen0, chosen)
 
 
-def test_logprobs_travel_in_the_integer_summary_bit_exactly():
+def test_summary_carries_counts_tokens_and_logprobs_exactly():
     width, k = 3, 2
     chosen = torch.tensor([[-0.5, -1.25, -3.0e-7]])
     values = torch.tensor([[[-0.5, -2.0], [-0.1, -1.25], [-3.0e-7, -20.0]]])
     ids = torch.tensor([[[4, 7], [9, 4], [1, 2]]])
-    head = torch.zeros(1, len(SUMMARY_COLUMNS) + width, dtype=torch.long)
-    row = torch.cat([head, float_bits(chosen), float_bits(values).reshape(1, -1), ids.reshape(1, -1)], 1).tolist()[0]
-    columns = LogprobColumns(width, k)
-    assert columns.read(row, 0) == (-0.5, ((4, -0.5), (7, -2.0)))
-    logp, top = columns.read(row, 2)
-    assert logp == pytest.approx(-3.0e-7, rel=1e-6) and top[1] == (2, -20.0)
+    counts = [torch.tensor([v]) for v in range(len(summary.COUNTS))]
+    tokens = torch.tensor([[126336, 2**40 + 3, 5]])  # ids far past any vocabulary still travel exactly
+    encoded = summary.encode(counts, tokens, (chosen, values, ids))
+    [row] = summary.decode(encoded.tolist(), width, k)
+    assert [getattr(row, name) for name in summary.COUNTS] == list(range(len(summary.COUNTS)))
+    assert row.tokens == tokens[0].tolist()
+    assert row.logprob(0) == (-0.5, ((4, -0.5), (7, -2.0)))
+    logp, top = row.logprob(2)
+    assert logp == float(chosen[0, 2]) and top[1] == (2, -20.0)  # the float32 value, bit for bit
+    [plain] = summary.decode(summary.encode(counts, tokens).tolist(), width, -1)
+    assert plain.tokens == row.tokens and plain.end_pos == row.end_pos
 
 
 def test_min_p_drops_tokens_below_a_fraction_of_the_best():
