@@ -9,11 +9,13 @@ Two entry points, both returning raw logits [B, L, vocab]:
   the allowed ones), and a finished block's keys/values change with the current block.
 - `forward_cached(input_ids, cache, block_size=...)`: each row's tokens at absolute positions
   `cache.start[r] + arange(L)`, attending block-causally to themselves and to the row's cached
-  columns [0, start[r]); their keys/values are written at those columns. The cache is exact: a row
-  whose prefix (prompt and finished blocks) was written by this method gets the same logits as the
-  full block-causal forward. A block becomes part of the cache when the caller advances `start`
-  past it after a forward over its final (clean) tokens; a denoising step leaves `start` alone, and
-  its keys/values, never attended to by later blocks, are overwritten by the next step.
+  columns [0, start[r]); their keys/values are written at those columns. The cache is exact (the
+  same logits as the full block-causal forward) when it holds whole blocks only, i.e. every call
+  starts at a multiple of the block size: a token's keys/values depend on its whole block, so a
+  prompt that ends inside a block leaves that block's prompt tokens to the first decoded block, as
+  the official decoders do. A block becomes part of the cache when the caller advances `start` past
+  it after a forward over its final (clean) tokens; a denoising step leaves `start` alone, and its
+  keys/values, which no earlier position ever sees, are overwritten by the next step.
 """
 
 from __future__ import annotations
