@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -11,14 +11,48 @@ from engine.errors import CheckpointError
 from engine.loading.checkpoint import CheckpointFiles
 from engine.loading.safetensors_stream import read_header
 from engine.loading.weights import plan_weights
+from engine.models.block_transformer import BlockDiffusionTransformer
+from engine.models.moe import GroupedExperts
 from engine.models.registry import model_class_for
+from engine.special_tokens import SpecialTokens
+
+
+def _special_ids(checkpoint: CheckpointFiles) -> tuple[Optional[SpecialTokens], Union[dict[str, Any], str]]:
+    try:
+        special = checkpoint.special_tokens()
+    except CheckpointError as err:  # reported, not fatal: the rest of the description still holds
+        return None, f"not loadable: {err}"
+    return special, {"mask": special.mask_id, "eos": list(special.eos_ids), "eot": special.eot_id,
+                     "pad": special.pad_id, "bos": special.bos_id}
+
+
+def _block_diffusion_details(model: BlockDiffusionTransformer) -> dict[str, Any]:
+    config = model.config
+    details: dict[str, Any] = {
+        "attention": "block-causal (block diffusion: bidirectional in a block, causal across blocks)",
+        "block_size": config.block_size if config.block_size is not None
+        else "not in config.json (the decoder's block length)",
+        "head_dim": config.head_dim,
+        "rotary_dims": config.rotary_dim,
+        "qk_norm": config.qk_norm,
+    }
+    moe = config.moe
+    if moe is not None:
+        details["experts"] = (f"{moe.num_experts} routed, {moe.experts_per_token} per token (best {moe.topk_group} "
+                              f"of {moe.num_groups} groups), {moe.num_shared_experts} shared; first "
+                              f"{moe.first_dense_layers} layer(s) dense")
+        idle = sum(sum(p.numel() for p in experts.parameters()) // moe.num_experts
+                   * (moe.num_experts - moe.experts_per_token)
+                   for experts in model.modules() if isinstance(experts, GroupedExperts))
+        details["active_parameters"] = sum(p.numel() for p in model.parameters()) - idle
+    return details
 
 
 def describe_checkpoint(path: Union[str, Path]) -> dict[str, Any]:
     checkpoint = CheckpointFiles.open(path)
     cls = model_class_for(checkpoint.config)
     config = cls.parse_config(checkpoint.config)
-    special = checkpoint.special_tokens()
+    special, special_ids = _special_ids(checkpoint)
     with torch.device("meta"):
         model = cls(config, special, checkpoint.config)
     report: dict[str, Any] = {
@@ -33,13 +67,14 @@ def describe_checkpoint(path: Union[str, Path]) -> dict[str, Any]:
         "kv_heads": config.num_kv_heads,
         "vocab_size": config.vocab_size,
         "logits_shifted": config.logits_shifted,
-        "dtype": checkpoint.config.get("torch_dtype") or "not stated in config.json",
-        "special_ids": {"mask": special.mask_id, "eos": list(special.eos_ids), "eot": special.eot_id,
-                        "pad": special.pad_id, "bos": special.bos_id},
+        "dtype": checkpoint.config.get("torch_dtype") or checkpoint.config.get("dtype") or "not stated in config.json",
+        "special_ids": special_ids,
         "chat_template": checkpoint.has_chat_template,
         "tokenizer_files": sorted(p.name for p in checkpoint.path.iterdir()
                                   if p.name in ("tokenizer.json", "vocab.json", "merges.txt")),
     }
+    if isinstance(model, BlockDiffusionTransformer):
+        report.update(_block_diffusion_details(model))
     try:
         files = checkpoint.weight_files()
         dtypes: set[str] = set()
@@ -58,7 +93,7 @@ def format_report(report: dict[str, Any]) -> str:
     width = max(len(k) for k in report)
     lines = []
     for key, value in report.items():
-        if key == "parameters":
+        if key in ("parameters", "active_parameters"):
             value = f"{value:,} ({value / 1e9:.2f}B)" if value >= 1e8 else f"{value:,}"
         lines.append(f"{key.ljust(width)}  {value}")
     return "\n".join(lines)

@@ -45,7 +45,11 @@ def _check_added_token_ids(tokenizer: PreTrainedTokenizerBase, checkpoint: Check
     """A token whose id moved would silently corrupt every prompt; refuse such a tokenizer."""
     declared = {entry["content"]: int(i) for i, entry in
                 ((checkpoint.tokenizer_config or {}).get("added_tokens_decoder") or {}).items()}
-    declared.update(checkpoint.added_tokens or {})
+    # Where both files name one id, transformers follows `added_tokens_decoder`; `added_tokens.json`
+    # can be stale there (SDAR's calls the mask `<MASK>`, its tokenizer config `<|MASK|>`).
+    decoder_ids = set(declared.values())
+    declared.update({content: token_id for content, token_id in (checkpoint.added_tokens or {}).items()
+                     if token_id not in decoder_ids})
     for content, token_id in declared.items():
         got = tokenizer.convert_tokens_to_ids(content)
         if got != token_id:

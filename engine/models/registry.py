@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 from engine.errors import CheckpointError
+from engine.models.block_transformer import BlockDiffusionTransformer
 from engine.models.dream import DreamModel
 from engine.models.llada import LLaDAModel
+from engine.models.llada2 import LLaDA2Model
+from engine.models.sdar import SDARModel
 from engine.models.transformer import DiffusionTransformer
 
-_BY_ARCHITECTURE: dict[str, type[DiffusionTransformer]] = {
+# Full-attention masked diffusion (LLaDA, Dream) or block diffusion (SDAR, LLaDA2).
+ModelClass = Union[type[DiffusionTransformer], type[BlockDiffusionTransformer]]
+
+_BY_ARCHITECTURE: dict[str, ModelClass] = {
     "LLaDAModelLM": LLaDAModel,
     "DreamModel": DreamModel,
+    "SDARForCausalLM": SDARModel,
+    "LLaDA2MoeModelLM": LLaDA2Model,
 }
-_BY_MODEL_TYPE: dict[str, type[DiffusionTransformer]] = {
+_BY_MODEL_TYPE: dict[str, ModelClass] = {
     "llada": LLaDAModel,
     "dream": DreamModel,
+    "sdar": SDARModel,
+    "llada2_moe": LLaDA2Model,
 }
 
 
@@ -23,7 +33,7 @@ def supported_architectures() -> list[str]:
     return sorted(_BY_ARCHITECTURE)
 
 
-def model_class_for(hf_config: dict[str, Any]) -> type[DiffusionTransformer]:
+def model_class_for(hf_config: dict[str, Any]) -> ModelClass:
     for name in hf_config.get("architectures") or []:
         if name in _BY_ARCHITECTURE:
             return _BY_ARCHITECTURE[name]
