@@ -39,6 +39,8 @@ COPY pyproject.toml README.md ./
 COPY engine ./engine
 COPY server ./server
 COPY tinymodels ./tinymodels
+COPY calibration ./calibration
+COPY bench/__init__.py bench/load_generator.py ./bench/
 RUN if [ -n "${EXTRAS}" ]; then /opt/venv/bin/pip install --no-cache-dir ".[${EXTRAS}]"; \
     else /opt/venv/bin/pip install --no-cache-dir .; fi
 

@@ -127,7 +127,8 @@ def test_help_does_not_wait_for_torch_and_every_option_says_what_it_does():
 
     import argparse
 
-    from server.cli import _DefaultsFormatter, build_parser
+    from server.cli import build_parser
+    from server.cli.args import DefaultsFormatter
 
     def options(parser: argparse.ArgumentParser, path: str):
         for action in parser._actions:
@@ -137,7 +138,7 @@ def test_help_does_not_wait_for_torch_and_every_option_says_what_it_does():
             elif not isinstance(action, argparse._HelpAction):
                 yield path, action
 
-    formatter = _DefaultsFormatter("cai-dllm")
+    formatter = DefaultsFormatter("cai-dllm")
     for path, action in options(build_parser(), "cai-dllm"):
         assert action.help, f"{path} {action.option_strings or action.dest} has no help"
         shown = formatter._get_help_string(action)

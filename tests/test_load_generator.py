@@ -10,7 +10,7 @@ import sys
 import pytest
 from serverproc import REPO, running_server
 
-from server.load_generator import LoadRequest, RequestOutcome, file_workload, percentiles, summarise
+from bench.load_generator import LoadRequest, RequestOutcome, file_workload, percentiles, summarise
 
 
 def test_percentiles_interpolate_between_ranks():

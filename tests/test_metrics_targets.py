@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.metrics_targets import ScrapeTarget, TargetBook
+from server.ray.targets import ScrapeTarget, TargetBook
 
 
 class Clock:

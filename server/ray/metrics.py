@@ -6,7 +6,7 @@ service discovery, answered by whichever replica the proxy picks) and the dashbo
       - job_name: cai-dllm
         http_sd_configs: [{url: "http://RAY_HEAD:8000/metrics/targets", refresh_interval: 10s}]
 
-Ray is an optional dependency: only `server/ray_serve.py` imports this module."""
+Ray is an optional dependency: only `server/ray/serve.py` imports this module."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Optional
 
 import ray
 
-from server.metrics_targets import REFRESH_S, ScrapeTarget, TargetBook
+from server.ray.targets import REFRESH_S, ScrapeTarget, TargetBook
 
 log = logging.getLogger("cai_dllm.ray")
 

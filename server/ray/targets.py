@@ -6,7 +6,7 @@ refreshing it: a replica that dies without a word (SIGKILL, a lost node) drops o
 and Prometheus stops scraping it. Time is the book's own monotonic clock, so replicas on other
 machines never compare clocks.
 
-Pure bookkeeping, no Ray: `server/ray_metrics.py` holds a book in a named actor."""
+Pure bookkeeping, no Ray: `server/ray/metrics.py` holds a book in a named actor."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ and a model that cannot load fails the deployment with the reason. `check_health
 replica.
 
 Metrics: `/metrics` through the proxy reaches one replica at a time, so each replica also serves its
-own registry on its own port (`server/ray_metrics.py`) and `GET /metrics/targets` lists every live
+own registry on its own port (`server/ray/metrics.py`) and `GET /metrics/targets` lists every live
 replica's address for Prometheus's HTTP service discovery (`deploy/ray/prometheus.yml`); the
 dashboard's queries sum over them.
 """
@@ -28,7 +28,7 @@ from ray import serve
 
 from engine import Engine
 from server.app import create_app
-from server.ray_metrics import ReplicaMetricsExporter
+from server.ray.metrics import ReplicaMetricsExporter
 from server.settings import ServerSettings, load_settings
 
 # Rows decode together inside a replica; Ray should route at most this many requests to one

@@ -1,0 +1,62 @@
+"""`cai-dllm generate`: decode prompts offline, a batch when several are given."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from server.cli.args import add_decode_flags, add_engine_flags, decode_overrides
+
+
+def add_parser(sub: Any) -> None:
+    gen = sub.add_parser("generate", help="decode prompts offline (a batch when several are given)")
+    gen.add_argument("--model", required=True, help="local Hugging Face checkpoint directory")
+    gen.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    gen.add_argument("--prompt-ids", action="append", help="comma-separated prompt token ids (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="wrap each --prompt as a user turn of the chat template")
+    add_engine_flags(gen, ("device", "dtype", "max_batch"))
+    gen.add_argument("--json", action="store_true", help="print one JSON object per request")
+    add_decode_flags(gen)
+    gen.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine import CheckpointError, DeviceError, RequestError, load_model, load_tokenizer
+    from engine.chat import chat_prompt_ids
+    from engine.decoding import DecodeParamError, DecodeParams, generate
+
+    try:
+        params = DecodeParams.from_dict(decode_overrides(args))
+        model = load_model(args.model, device=args.device, dtype=args.dtype)
+        tokenizer = None
+        try:
+            tokenizer = load_tokenizer(args.model)
+        except CheckpointError:
+            if args.prompt:
+                raise
+        prompts: list[list[int]] = []
+        for text in args.prompt or []:
+            if args.chat:
+                prompts.append(chat_prompt_ids(tokenizer, [{"role": "user", "content": text}]))
+            else:
+                prompts.append(list(tokenizer.encode(text, add_special_tokens=False)))
+        for ids in args.prompt_ids or []:
+            prompts.append([int(t) for t in ids.split(",") if t.strip()])
+        results = generate(model, prompts, params, max_batch=args.max_batch, tokenizer=tokenizer)
+    except (CheckpointError, DeviceError, DecodeParamError, RequestError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for result in results:
+        record = {"request_id": result.request_id, "prompt_ids": list(result.prompt_ids),
+                  "generated_ids": result.generated_ids, "text": result.text,
+                  "finish_reason": result.finish_reason, "nfe": result.stats.nfe,
+                  "steps_per_block": result.stats.steps_per_block, **result.stats.as_dict()}
+        if args.json:
+            print(json.dumps(record))
+        else:
+            shown = result.text if result.text is not None else result.generated_ids
+            print(f"{shown}\n  [{result.finish_reason}; NFE {result.stats.nfe}; steps saved "
+                  f"{result.stats.steps_saved} of {result.stats.fixed_step_budget}]")
+    return 0

@@ -1,0 +1,54 @@
+"""`cai-dllm score`: log-likelihood of continuations after a context (the server's echo + logprobs estimator)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from server.cli.args import add_engine_flags
+
+
+def add_parser(sub: Any) -> None:
+    sc = sub.add_parser("score", help="log-likelihood of continuations after a context (LLaDA's Monte-Carlo "
+                                      "estimator, as the server's echo + logprobs)")
+    sc.add_argument("--model", required=True, help="local Hugging Face checkpoint directory")
+    sc.add_argument("--context", required=True, help="the text the continuations follow")
+    sc.add_argument("--continuation", action="append", required=True, help="a continuation to score (repeatable)")
+    sc.add_argument("--chat", action="store_true", help="wrap --context as a user turn of the chat template")
+    sc.add_argument("--samples", type=int, default=None, help="samples per split (default: the decoding default)")
+    sc.add_argument("--seed", type=int, default=0, help="seeds the masks: the same seed, the same numbers")
+    add_engine_flags(sc, ("device", "dtype"))
+    sc.add_argument("--json", action="store_true", help="print one JSON object per continuation")
+    sc.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine import CheckpointError, DeviceError, Engine, EngineConfig, RequestError
+    from engine.chat import chat_prompt_ids
+    from engine.loading.tokenizer import encode_text
+
+    try:
+        engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
+        if engine.tokenizer is None:
+            raise CheckpointError("scoring text needs a checkpoint with a tokenizer")
+        context = (chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": args.context}]) if args.chat
+                   else encode_text(engine.tokenizer, args.context))
+        rows = []
+        for text in args.continuation:
+            ids = [*context, *encode_text(engine.tokenizer, text)]
+            values = engine.score(ids, args.samples, args.seed)[len(context):]
+            rows.append({"continuation": text, "logprob": sum(v for v in values if v is not None),
+                         "tokens": len(values), "token_logprobs": values})
+    except (CheckpointError, DeviceError, RequestError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    best = max(range(len(rows)), key=lambda i: rows[i]["logprob"])
+    for i, row in enumerate(rows):
+        if args.json:
+            print(json.dumps(row))
+        else:
+            mark = "  <- most likely" if len(rows) > 1 and i == best else ""
+            print(f"{row['logprob']:10.3f}  ({row['tokens']} tokens)  {row['continuation']!r}{mark}")
+    return 0

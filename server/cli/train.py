@@ -1,0 +1,78 @@
+"""`cai-dllm train`: train a built-in tiny model on the task family."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from server.cli.args import task_mix
+
+
+def add_parser(sub: Any) -> None:
+    tr = sub.add_parser("train", help="train a built-in tiny model on the task family",
+                        description="Flags left out take the built-in recipe: the defaults of "
+                                    "tinymodels.train_config.TrainConfig (docs/models.md).")
+    from tinymodels.tasks import format_mix
+    from tinymodels.train_config import OPTIMIZERS, TrainConfig
+
+    recipe = TrainConfig()
+    train_flags: dict[str, tuple[type, str]] = {
+        "arch": (str, "checkpoint format"), "d_model": (int, "hidden size"), "layers": (int, "decoder layers"),
+        "heads": (int, "attention heads"), "mlp_hidden": (int, "MLP hidden size"),
+        "rope_theta": (float, "RoPE base (the 8B models' bases are for head dims of 128)"),
+        "batch_size": (int, "examples a step"), "steps": (int, "optimizer steps"), "lr": (float, "peak learning rate"),
+        "warmup": (int, "warm-up steps"), "weight_decay": (float, "decoupled weight decay"),
+        "optimizer": (str, "muon: Muon on the hidden weight matrices, AdamW on the rest"),
+        "seed": (int, "examples, masks and initial weights"),
+        "micro_batches": (int, "length-sorted groups per step, each its own canvas"),
+        "full_canvas_share": (float, "share of groups given a full canvas"),
+        "long_canvas": (int, "a full canvas is drawn from gen_length to this many tokens"),
+        "max_extra_fill": (int, "most end tokens after the longest response"),
+        "prefix_mask_share": (float, "share of examples masked only after a random cut in the canvas"),
+        "plain_prompt_share": (float, "share of examples prompted with the bare problem text, not the chat template"),
+        "init_from": (str, "start from this checkpoint's weights (same shapes) instead of random ones"),
+    }
+    choices = {"arch": ("llada", "dream"), "optimizer": OPTIMIZERS}
+    tr.add_argument("--out", required=True, help="the checkpoint directory to write")
+    for name, (kind, text) in train_flags.items():
+        tr.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(recipe, name), help=text,
+                        choices=choices.get(name))
+    tr.add_argument("--mix", type=task_mix, help=f"task kinds and their weights, KIND=WEIGHT,... "
+                                                  f"(default: {format_mix(recipe.mix)})")
+    tr.add_argument("--device", default="cpu", help="where the arithmetic runs (examples and masks are the same)")
+    tr.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    tr.add_argument("--max-minutes", type=float, help="stop (and save) after this long (default: no limit)")
+    tr.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
+    tr.add_argument("--snapshot", metavar="DEST",
+                    help="only write the model of OUT's last saved training state to DEST (a mid-run look)")
+    tr.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+    from pathlib import Path
+
+    import torch
+
+    from tinymodels.train import TrainConfig, train
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.snapshot:
+        from tinymodels.train import snapshot
+
+        try:
+            log = snapshot(Path(args.out), Path(args.snapshot))
+        except FileNotFoundError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(f"snapshot of step {log['step']} written to {args.snapshot}")
+        return 0
+    # flags left out keep TrainConfig's defaults, the built-in recipe (one place for them)
+    config = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)
+                            if getattr(args, f.name, None) is not None})
+    log = train(config, Path(args.out), resume=args.resume, max_minutes=args.max_minutes, device=args.device)
+    last = log["losses"][-1][1] if log["losses"] else float("nan")
+    print(f"trained {log['step']} steps in {log['seconds'] / 60:.1f} min; final loss {last:.4f}; saved to {args.out}")
+    return 0
