@@ -16,6 +16,7 @@ CACHE_MODES = ("none", "prefix", "dual")
 BLOCK_SCHEDULE_MODES = ("clamp", "stretch")
 ETA_DENOMINATORS = ("generation", "block")
 GRINDING_EXITS = ("continue", "fill")
+DEFAULT_BLOCK_LENGTH = 32  # LLaDA's and Fast-dLLM's block; Dream's own policies take the canvas as one block
 
 
 class DecodeParamError(ValueError):
@@ -30,7 +31,7 @@ class DecodeParamError(ValueError):
 class DecodeParams:
     policy: str = "cai"
     gen_length: int = 128
-    block_length: Optional[int] = None  # None: 32, or gen_length for dream-* policies
+    block_length: Optional[int] = None  # None: DEFAULT_BLOCK_LENGTH, or gen_length for dream-* policies
     steps: Optional[int] = None  # total denoising steps over the canvas; None: gen_length
     temperature: float = 0.0
     seed: Optional[int] = None
@@ -120,7 +121,7 @@ class DecodeParams:
     def effective_block_length(self) -> int:
         if self.block_length is not None:
             return self.block_length
-        return self.gen_length if self.policy.startswith("dream-") else min(32, self.gen_length)
+        return self.gen_length if self.policy.startswith("dream-") else min(DEFAULT_BLOCK_LENGTH, self.gen_length)
 
     @property
     def num_blocks(self) -> int:
@@ -204,6 +205,40 @@ def resolve_defaults(params: DecodeParams, architecture: str) -> DecodeParams:
     if params.steps is None:
         updates["steps"] = params.total_steps
     return replace(params, **updates) if updates else params
+
+
+def _block_of(knobs: dict[str, Any]) -> Optional[int]:
+    """The block length knobs (a request's `decoding` object, not yet validated) decode with; None for a
+    single block of the whole canvas (Dream's own policies) or a block_length that is not a length."""
+    block = knobs.get("block_length")
+    if block is None:
+        return None if str(knobs.get("policy", "")).startswith("dream-") else DEFAULT_BLOCK_LENGTH
+    return block if isinstance(block, int) and not isinstance(block, bool) and block > 0 else None
+
+
+def canvas_for_max_tokens(max_tokens: int, knobs: dict[str, Any]) -> int:
+    """The generation canvas for `max_tokens`: rounded up to whole blocks (a canvas shorter than one
+    default block is one block of exactly max_tokens)."""
+    block = _block_of(knobs)
+    if block is None or (knobs.get("block_length") is None and max_tokens <= block):
+        return max_tokens
+    return math.ceil(max_tokens / block) * block
+
+
+def canvas_within(knobs: dict[str, Any], room: int) -> Any:
+    """The canvas when no max_tokens is given: the knobs' gen_length (or the default), shrunk to whole
+    blocks that fit `room` (the context the prompt leaves), as vLLM's default max_tokens is what the
+    context leaves. A canvas that cannot fit is returned as is, to be refused with the reason."""
+    wanted = knobs.get("gen_length", DecodeParams.gen_length)
+    if not isinstance(wanted, int) or isinstance(wanted, bool) or wanted <= room or room < 1:
+        return wanted
+    block = _block_of(knobs)
+    chosen = knobs.get("block_length") is not None
+    if chosen and (block is None or room < block):
+        return wanted
+    if block is None or (not chosen and room <= block):
+        return room
+    return room // block * block
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
