@@ -16,7 +16,7 @@ class TrainConfig:
     arch: str = "llada"  # "llada" or "dream"
     # The built-in models' recipe (docs/models.md). Depth mattered more than width: at a similar CPU
     # cost a step, 6 layers of 128 got 67 % of held-out additions right by step 3,880 where 4 layers
-    # of 160 got none by step 4,000 (bench/results/train_sweep_gpu.txt).
+    # of 160 got none by step 4,000 (tinymodels/results/train_sweep_gpu.txt).
     d_model: int = 128
     layers: int = 6
     heads: int = 4
