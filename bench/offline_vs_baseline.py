@@ -1,9 +1,10 @@
 """Offline generated tokens/s of this tree against a baseline tree (an older main in a git worktree),
 measured in the same run: the same held-out problems, decoding and threads, runs alternated.
 
-This VM has slow phases (the same matmul loop takes 1.7x as long, in CPU time too, for tens of seconds
-at a time) that hit either tree at random, so the ratio is given two ways: of the medians, and of the
-best runs (each engine's speed when the machine is in its fast state, as `timeit` takes the minimum).
+A shared or virtual machine has slow phases (the same matmul loop taking much longer, in CPU time
+too, for tens of seconds at a time) that hit either tree at random, so the ratio is given two ways:
+of the medians, and of the best runs (each engine's speed when the machine is in its fast state, as
+`timeit` takes the minimum).
 
 Each run is a fresh interpreter with PYTHONPATH set to its tree, so each tree decodes with its own
 engine; the worker below imports what both layouts have (`engine.Engine`, `engine.chat`, and the

@@ -50,9 +50,9 @@ async def run_clients(base: str, bodies: list[dict], concurrency: int,
     """Wall seconds, the responses, and the summed client-side latency of the requests.
 
     Each of `concurrency` clients sends its next request as soon as it has a response (closed loop).
-    aiohttp is the default client, as in vLLM's serving benchmark: on this 2-core CPU httpx's async
-    client added ~2.5 ms to every round trip (docs/server.md), CPU the clients take from the server
-    they measure and a delay during which the client's row waits for its next request.
+    aiohttp is the default client, as in vLLM's serving benchmark: httpx's async client costs more
+    CPU per round trip, CPU the clients take from the server they measure on a small machine, and a
+    delay during which the client's row waits for its next request.
     """
     url = f"{base}/v1/chat/completions"
     pending = iter(enumerate(bodies))

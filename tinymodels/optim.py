@@ -6,8 +6,8 @@ linear maps between hidden states, where the orthogonalised update is what helps
 scaled to AdamW's RMS (Moonshot's rule), so AdamW's learning rate and weight decay carry over.
 
 Our own Muon rather than torch.optim.Muon: that one orthogonalises in bfloat16, which a CPU
-without bfloat16 arithmetic emulates: with it 250 training steps of llada-tiny had not finished
-after 210 s on this 2-core machine, against 117 s orthogonalising in fp32.
+without bfloat16 arithmetic emulates, so on the CPUs the built-in models train on it is slower than
+orthogonalising in float32.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ class TrainConfig:
     arch: str = "llada"  # "llada" or "dream"
     # The built-in models' recipe (docs/models.md). Depth mattered more than width: at a similar CPU
     # cost a step, 6 layers of 128 got 67 % of held-out additions right by step 3,880 where 4 layers
-    # of 160 got none by step 4,000 (bench/results/train_sweep_gpu.txt).
+    # of 160 got none by step 4,000 (tinymodels/results/train_sweep_gpu.txt).
     d_model: int = 128
     layers: int = 6
     heads: int = 4
@@ -38,10 +38,9 @@ class TrainConfig:
     checkpoint_every: int = 250
     micro_batches: int = 2
     full_canvas_share: float = 0.25
-    # A full canvas is drawn between gen_length and long_canvas tokens. The v2 models saw only
-    # 128-token canvases and answer nothing at max_tokens 256 (the positions past 128 are new to
-    # them); a run with 256 (and a changed running-total format, so the two are confounded) learned
-    # the running totals far more slowly (docs/models.md), so the default keeps the v2 recipe.
+    # A full canvas is drawn between gen_length and long_canvas tokens. A model answers nothing at
+    # canvas lengths it has never seen, so the built-in models are trained with --long-canvas 256
+    # to serve max_tokens up to 256 (docs/models.md).
     long_canvas: int = 128
     max_extra_fill: int = 32
     # Share of examples masked only after a random cut in the canvas (a response prefix stays

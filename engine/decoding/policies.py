@@ -2,8 +2,9 @@
 
 Every function takes the current block of each row in the batch as [B, W] tensors (W = the widest
 block; positions past a row's block are never candidates) and per-row values as [B] tensors, and
-says which positions to commit this step. Rows in one batch may use different policies: `decide`
-evaluates each family present and picks per row.
+says which positions to commit this step. Rows in one batch may use different policies:
+`engine.decoding.decide.decide_step` runs each policy present once over the whole batch and keeps
+each row's own decision.
 
 Families:
 - rank (`fixed`, `dream-*`): commit the `quota` best candidates; the quota comes from LLaDA's

@@ -3,7 +3,7 @@
 Each shape runs 16 steps of the real training step (`tinymodels.train.train_step`) on
 the configured threads; the mean of the last 12 is reported with the steps that fit in 45 minutes.
 
-    python bench/train_step_time.py --threads 2
+    python -m tinymodels.train_step_time --threads 2
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ of an hour: `train(..., device=...)` draws the same examples and masks on any de
 that wins here is then trained for real on the CPU with `cai-dllm train`. Scoring uses the
 held-out split with a seed the benchmark does not use (`--seed 1`; the benchmark draws seed 0).
 
-    python bench/train_sweep.py --device cuda --out /tmp/sweep --evals 3000,6000,9000 --n-eval 256
+    python -m tinymodels.train_sweep --device cuda --out /tmp/sweep --evals 3000,6000,9000 --n-eval 256
+
+Output of the sweep that chose the built-in recipe: tinymodels/results/train_sweep_gpu.txt.
 """
 
 from __future__ import annotations
