@@ -1,4 +1,4 @@
-"""The FastAPI app: thin routes over `Serving`, plus auth, limits, health and metrics.
+"""The FastAPI app: thin routes over the endpoints' serving objects, plus auth, limits, health and metrics.
 
 The model loads in a background thread at start-up, so `/health` and `/ready` answer at once
 (`/ready` says 503 until the model is loaded and warmed up). Bodies are read and parsed here, not
@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Optional
 
@@ -28,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine import Engine
 from server import openapi
 from server.energy import EnergyMeter, open_meter
+from server.engine_loop import EngineLoop
 from server.errors import CLIENT_CLOSED_REQUEST, APIError, ClientDisconnected, error_response
 from server.metrics import Metrics
 from server.protocol import (
@@ -40,8 +42,10 @@ from server.protocol import (
     TokenizeCompletionRequest,
     TokenizeRequest,
 )
-from server.scheduler import EngineLoop
-from server.serving import INVALID_UNICODE, Serving
+from server.serving_base import INVALID_UNICODE
+from server.serving_chat import ChatServing
+from server.serving_completions import CompletionServing
+from server.serving_tokenization import TokenizationServing
 from server.settings import ServerSettings
 
 EngineFactory = Callable[[ServerSettings], Engine]
@@ -61,6 +65,15 @@ def _load_engine(settings: ServerSettings) -> Engine:
     return Engine(settings.engine)
 
 
+@dataclass(frozen=True)
+class Servings:
+    """One serving object per endpoint family, over the one engine loop."""
+
+    completions: CompletionServing
+    chat: ChatServing
+    tokenization: TokenizationServing
+
+
 class AppState:
     """Everything the routes need, filled in once the model is loaded."""
 
@@ -68,9 +81,8 @@ class AppState:
         self.settings = settings
         self.meter = meter or open_meter(settings.device)  # before the metrics: energy series only with a meter
         self.metrics = Metrics(settings.model_name, energy=self.meter.name != "none")
-        self.engine: Optional[Engine] = None
         self.loop: Optional[EngineLoop] = None
-        self.serving: Optional[Serving] = None
+        self.serving: Optional[Servings] = None
         self.load_error: Optional[str] = None
         self.ready = threading.Event()
         self.draining = False
@@ -82,24 +94,20 @@ class AppState:
         settings = self.settings
         log.info("loading %s on %s (%s)", settings.model, settings.device, settings.dtype)
         try:
-            engine = factory(self.settings)
+            loop = EngineLoop(factory(self.settings), self.settings.max_queue, self.metrics, self.meter,
+                              admission_wait=self.settings.admission_wait_ms / 1000)
             template = self.settings.chat_template_text()
             if template is not None:
-                if engine.tokenizer is None:
-                    raise ValueError("--chat-template needs a checkpoint with a tokenizer")
-                engine.tokenizer.chat_template = template
-            meter = self.meter
-            loop = EngineLoop(engine, self.settings.max_queue, self.metrics, meter,
-                              admission_wait=self.settings.admission_wait_ms / 1000)
-            warm_up = engine.default_params().with_overrides(gen_length=4, block_length=4, steps=4)
-            engine.generate([[0]], warm_up)
-            self.serving = Serving(engine, loop, self.settings, self.metrics)
-            self.engine, self.loop = engine, loop
+                loop.set_chat_template(template)
+            loop.warm_up()
+            self.serving = Servings(CompletionServing(loop, self.settings, self.metrics),
+                                    ChatServing(loop, self.settings, self.metrics),
+                                    TokenizationServing(loop, self.settings.model_name))
+            self.loop = loop
             loop.start()
             self.ready.set()
             log.info("ready in %.1f s: serving %s (%s, %s attention) on http://%s:%d", time.monotonic() - began,
-                     settings.model_name, engine.architecture, engine.model.attention_backend, settings.host,
-                     settings.port)
+                     settings.model_name, loop.architecture, loop.attention_backend, settings.host, settings.port)
         except Exception as err:  # reported by /ready and /health; `serve` also ends the process
             self.load_error = f"{type(err).__name__}: {err}"
             log.error("the model failed to load: %s", self.load_error)
@@ -108,13 +116,13 @@ class AppState:
 
     def limits(self) -> Optional[openapi.Limits]:
         """The bounds the OpenAPI document states, once the model is loaded."""
-        engine = self.engine
-        if engine is None:
+        loop = self.loop
+        if loop is None:
             return None
-        return openapi.Limits(model=self.settings.model_name, max_model_len=engine.max_model_len,
-                              max_n=self.settings.max_n, max_logprobs=engine.config.max_logprobs,
-                              vocab_size=engine.model.config.vocab_size,
-                              profiles=tuple(self.serving.profiles) if self.serving else ())
+        return openapi.Limits(model=self.settings.model_name, max_model_len=loop.max_model_len,
+                              max_n=self.settings.max_n, max_logprobs=loop.max_logprobs,
+                              vocab_size=loop.vocab_size,
+                              profiles=tuple(self.serving.completions.profiles) if self.serving else ())
 
     def failure(self) -> Optional[tuple[str, str]]:
         """(code, message) of a failure this server will not recover from by itself: the model did
@@ -132,7 +140,7 @@ class AppState:
             return "engine_stalled", f"the engine has made no progress for {stalled:.0f} s with work pending"
         return None
 
-    def require_serving(self) -> Serving:
+    def require_serving(self) -> Servings:
         if self.draining:
             raise APIError(503, "The server is shutting down", code="shutting_down")
         if self.serving is None:
@@ -243,19 +251,19 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
     async def completions(request: Request) -> Any:
         serving = state.require_serving()
         body = await read_body(request, CompletionRequest)
-        return await serving.completions(body, request)
+        return await serving.completions.create(body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         serving = state.require_serving()
         body = await read_body(request, ChatCompletionRequest)
-        return await serving.chat(body, request)
+        return await serving.chat.create(body, request)
 
     def model_card() -> ModelCard:
-        serving = state.require_serving()
-        assert state.engine is not None and state.meter is not None
+        serving = state.require_serving().completions
+        assert state.loop is not None and state.meter is not None
         return ModelCard(id=settings.model_name, created=int(state.started), root=settings.model,
-                         max_model_len=serving.max_model_len, architecture=state.engine.architecture,
+                         max_model_len=serving.max_model_len, architecture=state.loop.architecture,
                          energy_meter=state.meter.name, decoding_profiles=list(serving.profiles),
                          default_decoding_profile=serving.default_profile.name if serving.default_profile else None)
 
@@ -274,16 +282,16 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Any:
         serving = state.require_serving()
-        return serving.tokenize(await read_body(request, TokenizeRequest))
+        return serving.tokenization.tokenize(await read_body(request, TokenizeRequest))
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> Any:
-        return state.require_serving().tokenizer_info().model_dump()
+        return state.require_serving().tokenization.tokenizer_info().model_dump()
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Any:
         serving = state.require_serving()
-        return serving.detokenize(await read_body(request, DetokenizeRequest))
+        return serving.tokenization.detokenize(await read_body(request, DetokenizeRequest))
 
     @app.get("/health")
     async def health() -> Response:
@@ -304,11 +312,11 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
 
     @app.get("/version")
     async def version_info() -> Any:
-        engine = state.engine
+        loop = state.loop
         return {"version": package_version(), "model": settings.model_name,
-                "architecture": engine.architecture if engine else None,
+                "architecture": loop.architecture if loop else None,
                 "device": settings.device, "dtype": settings.dtype,
-                "attention_backend": engine.model.attention_backend if engine else None,
+                "attention_backend": loop.attention_backend if loop else None,
                 "energy_meter": state.meter.name if state.meter else None}
 
     @app.get("/metrics")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Optional
 
 from fastapi.responses import JSONResponse
+
+from engine.errors import RequestError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error",
@@ -44,3 +47,27 @@ class ClientDisconnected(Exception):
 
 
 CLIENT_CLOSED_REQUEST = 499
+
+
+class QueueFull(Exception):
+    """The engine's waiting queue is at --max-queue."""
+
+
+class ShuttingDown(Exception):
+    """Work that was still waiting when the server stopped serving."""
+
+
+def engine_error(err: Exception, param: Optional[str] = None, params: Optional[Mapping[str, str]] = None,
+                 retry_after: int = 1) -> APIError:
+    """The one mapping from the engine's refusals to OpenAI errors: a full queue is a 429 with
+    Retry-After, a stopping server a 503, a request the engine cannot take a 400 whose `param` is the
+    request field the engine's parameter came from (`params`: engine name -> field; else `param`)."""
+    if isinstance(err, QueueFull):
+        return APIError(429, "The server is at capacity: the waiting queue is full; retry later",
+                        code="queue_full", headers={"Retry-After": str(retry_after)})
+    if isinstance(err, ShuttingDown):
+        return APIError(503, str(err) or "the server is shutting down", code="shutting_down")
+    if isinstance(err, RequestError):
+        field = (params or {}).get(err.param or "", param)
+        return APIError(400, str(err), param=field, code=err.code)
+    raise TypeError(f"not an engine refusal: {err!r}")

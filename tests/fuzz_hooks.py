@@ -2,7 +2,7 @@
 
 `accepted_unless_a_documented_rule_refuses`: every schema-valid request (the run generates only
 those) is answered with 2xx, or refused with 400 and one of the codes of the rules a JSON schema
-cannot state (server.serving.CROSS_FIELD_CODES: the context length, the rules between decoding
+cannot state (server.serving_base.CROSS_FIELD_CODES: the context length, the rules between decoding
 knobs, n x prompts, ...). schemathesis's own positive_data_acceptance is this check without the
 exceptions."""
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import schemathesis
 
-from server.serving import CROSS_FIELD_CODES
+from server.serving_base import CROSS_FIELD_CODES
 
 
 @schemathesis.check

@@ -4,7 +4,7 @@
    all endpoints): no 5xx, every response as documented, every invalid body refused;
 2. schema-valid bodies only, with our check in tests/fuzz_hooks.py: each is answered, or refused with
    the code of one of the rules a schema cannot state (the context length, the rules between
-   decoding knobs, n x prompts: server.serving.CROSS_FIELD_CODES). Model-dependent bounds (the
+   decoding knobs, n x prompts: server.serving_base.CROSS_FIELD_CODES). Model-dependent bounds (the
    model's name, token ids, max_tokens, n, logprobs) are in the document itself."""
 
 from __future__ import annotations

@@ -117,8 +117,8 @@ def test_metrics_carry_process_collectors_and_no_energy_without_a_meter(fixtures
 
 
 def test_retry_after_follows_the_queue_and_the_completion_rate():
+    from server.engine_loop import RETRY_AFTER_MAX, EngineLoop
     from server.metrics import Metrics
-    from server.scheduler import RETRY_AFTER_MAX, EngineLoop
 
     class Waiting:
         num_waiting = 9

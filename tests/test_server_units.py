@@ -8,10 +8,11 @@ import random
 
 import pytest
 
+from engine.decoding.params import canvas_for_max_tokens, canvas_within
 from server.energy import EnergyMeter, NvmlMeter, RaplMeter, open_meter, share_energy
 from server.output import ChoiceOutput, IncrementalDetokenizer, find_stop, finish_reason_of, held_back
 from server.protocol import new_id
-from server.serving import _DISCONNECT_POLL_SECONDS, Serving, _DisconnectWatch
+from server.serving_base import DISCONNECT_POLL_SECONDS, DisconnectWatch
 from server.settings import BUNDLED_MODEL, load_settings
 
 
@@ -157,7 +158,15 @@ def test_finish_reason_mapping():
     (50, {"policy": "dream-entropy"}, 50),
 ])
 def test_max_tokens_rounds_up_to_whole_blocks(max_tokens, knobs, expected):
-    assert Serving._canvas(max_tokens, knobs) == expected
+    assert canvas_for_max_tokens(max_tokens, knobs) == expected
+
+
+@pytest.mark.parametrize("knobs,room,expected", [
+    ({}, 1000, 128), ({}, 100, 96), ({}, 20, 20), ({"block_length": 8}, 100, 96), ({"block_length": 64}, 40, 128),
+    ({"policy": "dream-entropy"}, 50, 50), ({"gen_length": 64}, 64, 64), ({"block_length": None}, 100, 96),
+])
+def test_the_default_canvas_is_whole_blocks_that_fit_the_context_left(knobs, room, expected):
+    assert canvas_within(knobs, room) == expected
 
 
 def test_ids_are_unique_whatever_the_global_random_state_and_across_a_fork():
@@ -190,7 +199,7 @@ class _LeavingClient:
 
 def test_a_client_that_left_is_seen_within_the_poll_interval_even_while_events_keep_coming():
     client, now = _LeavingClient(), [0.0]
-    watch = _DisconnectWatch(client, clock=lambda: now[0])  # type: ignore[arg-type]
+    watch = DisconnectWatch(client, clock=lambda: now[0])  # type: ignore[arg-type]
 
     async def looks(times: list[float]) -> list[bool]:
         seen = []
@@ -199,6 +208,6 @@ def test_a_client_that_left_is_seen_within_the_poll_interval_even_while_events_k
             seen.append(await watch.gone())
         return seen
 
-    inside = [i * _DISCONNECT_POLL_SECONDS / 10 for i in range(10)]
+    inside = [i * DISCONNECT_POLL_SECONDS / 10 for i in range(10)]
     assert asyncio.run(looks(inside)) == [False] * 10 and client.asked == 0  # not asked per event
-    assert asyncio.run(looks([_DISCONNECT_POLL_SECONDS])) == [True] and client.asked == 1
+    assert asyncio.run(looks([DISCONNECT_POLL_SECONDS])) == [True] and client.asked == 1

@@ -13,8 +13,8 @@ import pytest
 from engine import Engine, EngineConfig, RequestError
 from engine.decoding import DecodeParams, GenerationRequest
 from server.energy import NvmlMeter
+from server.engine_loop import EngineLoop, QueueFull, Submission
 from server.metrics import Metrics
-from server.scheduler import EngineLoop, QueueFull, Submission
 
 
 class GatedModel:

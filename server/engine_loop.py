@@ -1,4 +1,6 @@
-"""The bridge between asyncio handlers and the engine, which steps in a thread of its own.
+"""The engine loop: the bridge between asyncio handlers and the engine, which steps in a thread of
+its own, and the server's one door to the engine (what the server reads of the model comes through
+its properties).
 
 Handlers `submit` requests: the engine validates and queues them at once (`Engine.add_request` is
 thread-safe), so a bad request fails in its handler and the waiting queue is the engine's own.
@@ -15,6 +17,7 @@ share of a step and by `admission_wait`, and only while recent refills came that
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import threading
 import time
@@ -27,20 +30,13 @@ from engine import Engine, GenerationRequest, GenerationResult, StepOutput
 from engine.decoding.types import TokenLogprob
 from server.admission import RefillTracker, admission_limit
 from server.energy import EnergyMeter, share_energy
+from server.errors import QueueFull, ShuttingDown
 from server.metrics import Metrics
 
 _IDLE_WAIT = 0.05
 _RATE_WINDOW = 64  # completions the Retry-After rate is measured over
 _RATE_HORIZON = 60.0  # seconds: older completions say nothing about the rate now
 RETRY_AFTER_MAX = 300  # seconds: beyond it a client had better give up than wait on our estimate
-
-
-class QueueFull(Exception):
-    pass
-
-
-class ShuttingDown(Exception):
-    """A job that was still waiting when the server stopped serving."""
 
 
 @dataclass
@@ -106,6 +102,57 @@ class EngineLoop:
         self._jobs: deque[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future]] = deque()
         self._finish_times: deque[float] = deque(maxlen=_RATE_WINDOW)  # when the last requests finished
         self._thread = threading.Thread(target=self._run, name="cai-dllm-engine", daemon=True)
+
+    # ------------------------------------------------------------------ what the server knows of the engine
+
+    @property
+    def tokenizer(self) -> Optional[Any]:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model.config.vocab_size
+
+    @property
+    def end_ids(self) -> frozenset[int]:
+        return frozenset(self.engine.model.special.end_ids)
+
+    @property
+    def architecture(self) -> str:
+        return self.engine.architecture
+
+    @property
+    def attention_backend(self) -> str:
+        return self.engine.model.attention_backend
+
+    @property
+    def max_logprobs(self) -> int:
+        return self.engine.config.max_logprobs
+
+    def check_prompt(self, prompt_ids: Sequence[int]) -> None:
+        """RequestError unless the prompt is token ids this model can decode from (any thread)."""
+        self.engine.check_prompt(prompt_ids)
+
+    def set_chat_template(self, template: str) -> None:
+        """Use this Jinja chat template instead of the checkpoint's (`serve --chat-template`)."""
+        if self.engine.tokenizer is None:
+            raise ValueError("--chat-template needs a checkpoint with a tokenizer")
+        self.engine.tokenizer.chat_template = template
+
+    def warm_up(self) -> None:
+        """One tiny decode before the loop starts, so the first request pays no first-call costs."""
+        params = self.engine.default_params().with_overrides(gen_length=4, block_length=4, steps=4)
+        self.engine.generate([[0]], params)
+
+    async def score(self, prompt_ids: Sequence[int], samples: int, seed: int) -> list[Optional[float]]:
+        """Per-token likelihood estimates of a prompt (`Engine.score`), run on the engine thread
+        between steps; RequestError for a prompt or sample count the engine refuses."""
+        self.engine.check_score(prompt_ids, samples)
+        return await self.run_job(functools.partial(self.engine.score, prompt_ids, samples, seed))
 
     # ------------------------------------------------------------------ called from the event loop
 

@@ -1,0 +1,374 @@
+"""What the generating endpoints share: from an OpenAI request to engine submissions, and the one loop
+from engine events to the text a client may be sent.
+
+- decoding knobs: model defaults <- `--default-decoding` <- a decoding profile <- the request's
+  `decoding` object <- its OpenAI and vLLM fields (`temperature`, `seed`, `top_p`, `top_k`, `min_p`,
+  `ignore_eos`, logprobs, `max_tokens`); the engine validates the request and fills the model's
+  defaults once, when it is submitted;
+- `max_tokens` sets the generation canvas, rounded up to whole blocks
+  (`engine.decoding.params.canvas_for_max_tokens`), and is a ceiling: the output path cuts the
+  response at max_tokens tokens (finish_reason "length") and frees the row;
+- one loop (`_run`) serves streamed and whole responses alike: it feeds each choice's token deltas
+  to its `ChoiceOutput` (server/output.py: incremental detokenization, end tokens, stop strings,
+  finish reasons) and yields what may be sent; a whole response is the same pieces joined.
+
+`serving_completions.py` and `serving_chat.py` say what differs: the prompt, the logprobs field,
+the response and chunk objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any, Optional, Union
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from engine import RequestError
+from engine.decoding import DecodeParamError, DecodeParams, GenerationRequest
+from engine.decoding.params import canvas_for_max_tokens, canvas_within, field_types
+from engine.decoding.profiles import DecodingProfile, load_profile, profile_table
+from engine.loading.tokenizer import encode_text
+from server import sse
+from server.engine_loop import EngineLoop, QueueFull, Submission
+from server.errors import APIError, ClientDisconnected, engine_error
+from server.metrics import Metrics
+from server.output import ChoiceOutput
+from server.protocol import ChatCompletionRequest, CompletionRequest, DecodingSummary, Usage, new_id
+from server.settings import ServerSettings
+
+log = logging.getLogger("uvicorn.error")
+# The error codes of the rules a schema cannot state (docs/server.md): a schema-valid request is
+# answered, or refused with one of these (tests/test_fuzz.py checks exactly that).
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+INVALID_DECODING = "invalid_decoding"  # a knob's range, or a rule between knobs (DecodeParams)
+TOO_MANY_CHOICES = "too_many_choices"  # n x prompts above --max-n
+LOGPROBS_REQUIRED = "logprobs_required"  # top_logprobs without logprobs: true
+CHAT_TEMPLATE_ERROR = "chat_template_error"  # the checkpoint's template refuses these messages
+EMPTY_PROMPT = "empty_prompt"  # a text that encodes to no token
+SCORING_TOO_LARGE = "scoring_too_large"  # echo + logprobs above --max-score-tokens
+INVALID_UNICODE = "invalid_unicode"  # a lone surrogate escape in a string (valid JSON, not text)
+UNKNOWN_PROFILE = "unknown_profile"  # decoding.profile names no profile this server loaded
+CROSS_FIELD_CODES = (CONTEXT_LENGTH_EXCEEDED, INVALID_DECODING, TOO_MANY_CHOICES, LOGPROBS_REQUIRED,
+                     CHAT_TEMPLATE_ERROR, EMPTY_PROMPT, SCORING_TOO_LARGE, INVALID_UNICODE, UNKNOWN_PROFILE)
+# Knobs an OpenAI/vLLM request field sets, over the decoding object's value
+_OPENAI_KNOBS = ("temperature", "seed", "top_p", "top_k", "min_p", "ignore_eos", "logprobs")
+# How often a request waiting on the engine checks whether its client is still there.
+DISCONNECT_POLL_SECONDS = 0.25
+_INT_KNOBS = frozenset(name for name, (kind, _) in field_types().items() if kind is int)
+GenerateRequest = Union[CompletionRequest, ChatCompletionRequest]
+
+
+def _integral_knobs(decoding: dict[str, Any]) -> dict[str, Any]:
+    """Integer knobs written as integral floats (7.0) become integers, as JSON Schema counts them."""
+    return {name: int(value) if name in _INT_KNOBS and isinstance(value, float) and value.is_integer() else value
+            for name, value in decoding.items()}
+
+
+def json_response(body: Any) -> Response:
+    """A response body serialized by pydantic's own encoder (no dict and json.dumps in between)."""
+    return Response(content=body.model_dump_json(), media_type="application/json")
+
+
+class DisconnectWatch:
+    """Asks the ASGI server whether the client is still there, at most once per poll interval."""
+
+    def __init__(self, request: Request, clock: Callable[[], float] = time.monotonic) -> None:
+        self._request, self._clock = request, clock
+        self._next_look = clock() + DISCONNECT_POLL_SECONDS
+
+    async def gone(self) -> bool:
+        now = self._clock()
+        if now < self._next_look:
+            return False
+        self._next_look = now + DISCONNECT_POLL_SECONDS
+        return await self._request.is_disconnected()
+
+
+class ServingBase:
+    """The request -> engine -> response path of a generating endpoint; subclasses give its shape."""
+
+    prompt_field = "prompt"  # the request field that holds the prompt
+    logprobs_field = "logprobs"  # the request field that asks for top logprobs
+    id_prefix = "cmpl"
+
+    def __init__(self, loop: EngineLoop, settings: ServerSettings, metrics: Metrics) -> None:
+        self.loop = loop
+        self.settings = settings
+        self.metrics = metrics
+        self.max_model_len = loop.max_model_len
+        self._defaults = dict(settings.default_decoding)
+        DecodeParams.from_dict(self._defaults)  # fail at start-up, not per request
+        loaded = [load_profile(path) for path in settings.decoding_profiles]
+        self.profiles = profile_table(loaded)
+        self.default_profile: Optional[DecodingProfile] = loaded[0] if loaded else None
+
+    # ------------------------------------------------------------------ what an endpoint says
+
+    def logprobs_asked(self, body: GenerateRequest) -> Optional[int]:
+        """Top alternatives per token the request asks for (None: no logprobs)."""
+        raise NotImplementedError
+
+    def response(self, response_id: str, choices: list[ChoiceOutput], usage: Usage) -> Any:
+        """The whole (non-streamed) response object."""
+        raise NotImplementedError
+
+    def opening_chunks(self, response_id: str, created: int, choices: list[ChoiceOutput]) -> list[Any]:
+        """Chunks sent before any token (chat: each choice's role)."""
+        return []
+
+    def chunk(self, response_id: str, created: int, choice: ChoiceOutput, text: Optional[str], last: bool,
+              usage: Optional[Usage]) -> Any:
+        """The chunk object carrying `text` of `choice` (with its finish reason when `last`)."""
+        raise NotImplementedError
+
+    def usage_chunk(self, response_id: str, created: int, usage: Usage) -> Any:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ requests -> engine
+
+    def check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.settings.model_name:
+            raise APIError(404, f"The model '{model}' does not exist; this server serves "
+                           f"'{self.settings.model_name}'", param="model", code="model_not_found")
+
+    def _profile_knobs(self, decoding: dict[str, Any]) -> Mapping[str, Any]:
+        """The knobs of the profile the request names (`decoding.profile`, taken out of `decoding`),
+        or of the server's default profile; read only (they are spread into the request's knobs)."""
+        if "profile" not in decoding:
+            return self.default_profile.decoding if self.default_profile else {}
+        name = decoding.pop("profile")
+        if not isinstance(name, str) or name not in self.profiles:
+            raise APIError(400, f"decoding.profile: unknown profile {name!r}; this server has "
+                           f"{', '.join(self.profiles)}", param="decoding.profile", code=UNKNOWN_PROFILE)
+        return self.profiles[name].decoding
+
+    def params(self, body: GenerateRequest, max_tokens: Optional[int], longest_prompt: int) -> DecodeParams:
+        if body.decoding and "gen_length" in body.decoding:  # one way to set the canvas, not two
+            raise APIError(400, "decoding.gen_length: the generation canvas is set by max_tokens "
+                           "(max_completion_tokens in chat)", param="decoding.gen_length", code=INVALID_DECODING)
+        decoding = dict(body.decoding or {})
+        profile = self._profile_knobs(decoding)
+        # the server's defaults, then the profile, then the request's own knobs and OpenAI fields
+        knobs: dict[str, Any] = {**self._defaults, **profile, **_integral_knobs(decoding)}
+        for name in ("temperature", "seed", "top_p", "top_k", "min_p"):
+            if getattr(body, name) is not None:
+                knobs[name] = getattr(body, name)
+        if body.ignore_eos:
+            knobs["ignore_eos"] = True
+        logprobs = self.logprobs_asked(body)
+        if logprobs is not None:
+            knobs["logprobs"] = logprobs
+        if max_tokens is not None:
+            knobs["gen_length"] = canvas_for_max_tokens(max_tokens, knobs)
+        else:
+            knobs["gen_length"] = canvas_within(knobs, self.max_model_len - longest_prompt)
+        try:
+            if any(name in decoding for name in _OPENAI_KNOBS):
+                # an OpenAI field set above wins over the decoding object's value, which must still be
+                # valid in itself (a request the schema rejects is never served)
+                DecodeParams.from_dict({**knobs, **_integral_knobs(decoding)})
+            return DecodeParams.from_dict(knobs)
+        except DecodeParamError as err:
+            from_body = err.param in (body.decoding or {}) or err.param == "gen_length"
+            if err.param == "gen_length":
+                param = "max_tokens"
+            elif err.param == "logprobs" and "logprobs" not in (body.decoding or {}):
+                param = self.logprobs_field
+            else:
+                param = f"decoding.{err.param}" if from_body else err.param
+            raise APIError(400, str(err), param=param, code=INVALID_DECODING) from None
+        except TypeError as err:
+            raise APIError(400, f"invalid decoding object: {err}", param="decoding", code=INVALID_DECODING) from None
+
+    def _context_param(self, body: GenerateRequest, prompt_len: int, max_tokens: Optional[int]) -> str:
+        """The field a context overflow is about: the prompt when it fills the context alone, the
+        block length when only rounding max_tokens up to whole blocks overflows, else max_tokens."""
+        if prompt_len >= self.max_model_len:
+            return self.prompt_field
+        if max_tokens is not None and prompt_len + max_tokens <= self.max_model_len \
+                and "block_length" in (body.decoding or {}):
+            return "decoding.block_length"
+        return "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+
+    def _submit_all(self, body: GenerateRequest, prompts: list[list[int]], params: DecodeParams,
+                    max_tokens: Optional[int]) -> tuple[list[ChoiceOutput], asyncio.Queue]:
+        n, stops = body.n, body.stop_strings
+        end_ids = frozenset() if params.ignore_eos else self.loop.end_ids
+        tokenizer, logprobs = self.loop.tokenizer, params.logprobs is not None
+        if len(prompts) * n > self.settings.max_n:
+            raise APIError(400, f"n x prompts = {len(prompts) * n} exceeds this server's limit of "
+                           f"{self.settings.max_n} completions per request", param="n", code=TOO_MANY_CHOICES)
+        queue: asyncio.Queue = asyncio.Queue()
+        if max_tokens == 0:  # nothing to decode: every choice ends at once
+            for ids in prompts:
+                try:
+                    self.loop.check_prompt(ids)
+                except RequestError as err:
+                    raise engine_error(err, self.prompt_field) from None
+            choices = [ChoiceOutput(p_index * n + j, new_id("req"), ids, tokenizer, end_ids, stops, 0,
+                                    logprobs=logprobs) for p_index, ids in enumerate(prompts) for j in range(n)]
+            for choice in choices:
+                choice.finish_unstarted()
+            return choices, queue
+        loop = asyncio.get_running_loop()
+        choices, submitted = [], []
+        try:
+            for p_index, ids in enumerate(prompts):
+                for j in range(n):
+                    index = p_index * n + j
+                    p = params
+                    if params.temperature > 0 and params.seed is not None and j:
+                        p = params.with_overrides(seed=params.seed + j)  # n samples, not n copies
+                    request = GenerationRequest(tuple(ids), p, new_id("req"))
+                    self.loop.submit(Submission(request, index, queue, loop, stream=body.stream))
+                    submitted.append(request.request_id)
+                    choices.append(ChoiceOutput(index, request.request_id, ids, tokenizer, end_ids, stops,
+                                                max_tokens, logprobs=logprobs))
+        except (QueueFull, RequestError) as err:
+            for request_id in submitted:
+                self.loop.abort(request_id)
+            context = isinstance(err, RequestError) and err.code == CONTEXT_LENGTH_EXCEEDED
+            param = self._context_param(body, max(map(len, prompts)), max_tokens) if context else self.prompt_field
+            raise engine_error(err, param, {"gen_length": "max_tokens", "logprobs": self.logprobs_field},
+                               retry_after=self.loop.retry_after()) from None
+        return choices, queue
+
+    # ------------------------------------------------------------------ engine -> response
+
+    def _record(self, choice: ChoiceOutput) -> None:
+        m = self.metrics
+        m.labels(m.prompt_tokens).inc(len(choice.prompt_ids))
+        choice.completion_count = choice.completion_tokens(self._count_tokens)  # counted once, at the finish
+        m.labels(m.generation_tokens).inc(choice.completion_count)
+        m.labels(m.request_success, finished_reason=choice.finish_reason).inc()
+
+    def _count_tokens(self, text: str) -> int:
+        return len(encode_text(self.loop.tokenizer, text)) if self.loop.tokenizer is not None else 0
+
+    @staticmethod
+    def usage(choices: list[ChoiceOutput]) -> Usage:
+        prompt = sum(len(c.prompt_ids) for c in choices)
+        completion = sum(c.completion_count for c in choices)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    @staticmethod
+    def summary(choice: ChoiceOutput) -> Optional[DecodingSummary]:
+        return None if choice.result is None else DecodingSummary.of(choice.result.stats, choice.joules)
+
+    async def _next_event(self, queue: asyncio.Queue, deadline: float, watch: DisconnectWatch) -> Any:
+        """The next engine event for this request; None if the client has gone; 504 past the deadline.
+        The client is looked at every poll interval even while events keep coming: a request whose
+        rows yield a delta every step would otherwise hold its rows until it finishes."""
+        while True:
+            if await watch.gone():
+                return None
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise APIError(504, f"request timed out after {self.settings.request_timeout:g} s", code="timeout")
+            try:
+                return await asyncio.wait_for(queue.get(), timeout=min(DISCONNECT_POLL_SECONDS, remaining))
+            except asyncio.TimeoutError:
+                continue
+
+    async def _run(self, choices: list[ChoiceOutput], queue: asyncio.Queue,
+                   request: Request) -> AsyncIterator[tuple[ChoiceOutput, str]]:
+        """The one output loop: yields (choice, text that may be sent now) as deltas arrive; a choice's
+        last piece comes with `choice.finished` set. Aborts what is left on any exit."""
+        deadline = time.monotonic() + self.settings.request_timeout
+        watch = DisconnectWatch(request)
+        by_index = {c.index: c for c in choices}
+        pending = {c.index for c in choices if not c.finished}
+        for choice in choices:
+            if choice.finished:  # ended before any decoding (max_tokens 0)
+                self._record(choice)
+                yield choice, choice.take()
+        try:
+            while pending:
+                event = await self._next_event(queue, deadline, watch)
+                if event is None:
+                    return  # the client went away
+                choice = by_index[event.choice]
+                if choice.finished:
+                    continue
+                if event.kind == "error":  # the engine failed (our bug: 500), or the server is stopping (503)
+                    raise APIError(event.status, event.message, code=event.code or "internal_error")
+                choice.add(event.ids, event.logprobs)
+                if event.kind == "done":
+                    choice.finish(event.result, event.joules)
+                elif choice.stopped_early:  # the rest cannot change the answer: free the row now
+                    self.loop.abort(choice.request_id)
+                    choice.finish(None)
+                else:
+                    piece = choice.take()
+                    if piece:
+                        yield choice, piece
+                    continue
+                self._record(choice)
+                pending.discard(choice.index)
+                yield choice, choice.take()
+        finally:
+            for choice in choices:
+                if not choice.finished:
+                    self.loop.abort(choice.request_id)
+
+    async def serve(self, body: GenerateRequest, request: Request, choices: list[ChoiceOutput],
+                    queue: asyncio.Queue) -> Any:
+        """The response to submitted choices: a stream of chunks, or the whole response."""
+        response_id = new_id(self.id_prefix)
+        if body.stream:
+            options = body.stream_options
+            include_usage = bool(options and options.include_usage)
+            continuous = bool(include_usage and options and options.continuous_usage_stats)
+            return StreamingResponse(self._stream(choices, queue, request, response_id, include_usage, continuous),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        async for _ in self._run(choices, queue, request):
+            pass
+        if any(not c.finished for c in choices):
+            raise ClientDisconnected  # nobody to answer; the rows were freed by _run
+        return json_response(self.response(response_id, choices, self.usage(choices)))
+
+    def _client_gone(self) -> None:
+        self.metrics.labels(self.metrics.client_disconnects).inc()
+        log.info("client disconnected: its request was aborted and its rows freed")
+
+    async def _stream(self, choices: list[ChoiceOutput], queue: asyncio.Queue, request: Request, response_id: str,
+                      include_usage: bool, continuous_usage: bool) -> AsyncIterator[bytes]:
+        from server.protocol import now
+
+        created = now()
+        prompt_tokens = sum(len(c.prompt_ids) for c in choices)
+
+        def chunk(choice: ChoiceOutput, text: Optional[str], last: bool = False) -> bytes:
+            usage = None
+            if continuous_usage:  # vLLM's continuous_usage_stats: the tokens so far, in every chunk
+                completion = sum(len(c.token_ids) for c in choices)
+                usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                              total_tokens=prompt_tokens + completion)
+            return sse.event(self.chunk(response_id, created, choice, text, last, usage))
+
+        try:
+            for opening in self.opening_chunks(response_id, created, choices):
+                yield sse.event(opening)
+            async for choice, piece in self._run(choices, queue, request):
+                if piece:
+                    yield chunk(choice, piece)
+                if choice.finished:  # the finish reason and the summary come in a chunk of their own
+                    yield chunk(choice, None, last=True)
+            if any(not c.finished for c in choices):
+                self._client_gone()
+                return
+            if include_usage:
+                yield sse.event(self.usage_chunk(response_id, created, self.usage(choices)))
+            yield sse.DONE
+        except APIError as err:
+            self.metrics.labels(self.metrics.request_errors, status=str(err.status)).inc()
+            yield sse.event(err.body())
+            yield sse.DONE
+        except (asyncio.CancelledError, GeneratorExit):  # the server stopped the stream: its client left
+            if any(not c.finished for c in choices):
+                self._client_gone()
+            raise
