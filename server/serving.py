@@ -568,7 +568,7 @@ class Serving:
             summary = self._summary(choice) if last else None
             usage = None
             if continuous_usage:  # vLLM's continuous_usage_stats: the tokens so far, in every chunk
-                completion = sum(len(c.token_ids) for c in choices)
+                completion = sum(c.generated_count for c in choices)
                 usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
                               total_tokens=prompt_tokens + completion)
             if echo is not None:  # the echoed prompt, in a chunk before the completion's
