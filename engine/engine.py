@@ -13,6 +13,7 @@ transfer brings every row's summary back; the scheduler advances and finishes ro
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -89,9 +90,16 @@ class Engine:
 
     # ------------------------------------------------------------------ the step API
 
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        """Token ids a prompt may hold: the tokenizer's vocabulary where one is loaded (the embedding
+        may have more rows, padding that no text encodes to), else the embedding's rows."""
+        rows = self.model.config.vocab_size
+        return rows if self.tokenizer is None else min(rows, len(self.tokenizer))
+
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
         """RequestError unless the prompt is non-empty token ids of this model's vocabulary."""
-        vocab = self.model.config.vocab_size
+        vocab = self.vocab_size
         if not prompt_ids:
             raise RequestError("prompt_ids must not be empty (a text prompt may encode to no token)",
                                code="empty_prompt")

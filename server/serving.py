@@ -474,7 +474,7 @@ class Serving:
         self._check_model(body.model)
         if self.engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer", param="tokens")
-        vocab = self.engine.model.config.vocab_size
+        vocab = self.engine.vocab_size
         bad = next((t for t in body.tokens if t >= vocab), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
