@@ -570,7 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_setting(sv, "served_model_name", help="the model id clients send", unset="the directory name")
     _add_setting(sv, "host", help="address to listen on")
     _add_setting(sv, "port", type=int, help="port to listen on")
-    _add_setting(sv, "max_queue", type=int, help="requests waiting for a row before 429")
+    _add_setting(sv, "max_queue", type=int, help="requests waiting for a row (after the free rows are filled) before 429")
     _add_setting(sv, "max_n", type=int, help="completions per request, n x prompts")
     _add_setting(sv, "api_key", help="require 'Authorization: Bearer KEY' on /v1 routes", unset="no key")
     _add_setting(sv, "default_decoding", help="JSON object of default decoding knobs, e.g. "

@@ -131,20 +131,38 @@ class EngineLoop:
         with self._lock:
             return len(self._active) + len(self._jobs)
 
-    def submit(self, submission: Submission) -> None:
-        """Queue a request in the engine; raises QueueFull, or the engine's RequestError for a
-        request it cannot take (the message names what is wrong)."""
-        request = submission.request
+    def submit(self, submissions: Sequence[Submission]) -> None:
+        """Queue the requests of one API request (its choices) in the engine, all or none. Raises
+        QueueFull when more than `max_queue` requests would wait once the free rows are filled, or
+        the engine's RequestError for a request it cannot take (the message names what is wrong)."""
         with self._lock:
-            if self.engine.num_waiting >= self.max_queue:
+            if self._waiting_after(len(submissions)) > self.max_queue:
                 raise QueueFull
-            self.engine.add_request(request.prompt_ids, request.params, request.request_id,
-                                    queued_at=submission.submitted)
-            self._active[request.request_id] = submission
+            added: list[str] = []
+            try:
+                for submission in submissions:
+                    request = submission.request
+                    self.engine.add_request(request.prompt_ids, request.params, request.request_id,
+                                            queued_at=submission.submitted)
+                    self._active[request.request_id] = submission
+                    added.append(request.request_id)
+            except Exception:
+                for request_id in added:
+                    self._active.pop(request_id, None)
+                    self.engine.abort(request_id)
+                raise
         if self.admission_wait > 0:
-            self._refills.request_arrived(time.monotonic())
+            now = time.monotonic()
+            for _ in submissions:
+                self._refills.request_arrived(now)
         self._update_gauges()
         self._wake.set()
+
+    def _waiting_after(self, adding: int) -> int:
+        """Requests that would wait for a row with `adding` more, once the next step fills the free rows
+        (those are not queued: counting them refused requests an idle server could take at once)."""
+        free = max(0, self.engine.max_batch - self.engine.num_running)
+        return max(0, self.engine.num_waiting + adding - free)
 
     def retry_after(self) -> int:
         """Seconds until the waiting queue has room again, for a 429's Retry-After: the requests
@@ -165,7 +183,7 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._lock:
-            if self.engine.num_waiting + len(self._jobs) >= self.max_queue:
+            if self._waiting_after(0) + len(self._jobs) > self.max_queue:  # the jobs behind the one that runs
                 raise QueueFull
             self._jobs.append((job, loop, future))
         self._wake.set()

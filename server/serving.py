@@ -330,7 +330,6 @@ class Serving:
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         choices: list[ChoiceOutput] = []
-        submitted: list[str] = []
         if max_tokens == 0:  # nothing to decode: every choice ends at once
             for ids in prompts:
                 try:
@@ -343,21 +342,20 @@ class Serving:
             for choice in choices:
                 choice.finish_unstarted()
             return choices, queue
+        submissions: list[Submission] = []
+        for p_index, ids in enumerate(prompts):
+            for j in range(n):
+                index = p_index * n + j
+                p = params
+                if params.temperature > 0 and params.seed is not None and j:
+                    p = params.with_overrides(seed=params.seed + j)  # n samples, not n copies
+                request = GenerationRequest(tuple(ids), p, new_id("req"))
+                submissions.append(Submission(request, index, queue, loop, stream=stream))
+                choices.append(ChoiceOutput(index, request.request_id, ids, self.engine.tokenizer,
+                                            end_ids, stops, max_tokens, logprobs=params.logprobs is not None))
         try:
-            for p_index, ids in enumerate(prompts):
-                for j in range(n):
-                    index = p_index * n + j
-                    p = params
-                    if params.temperature > 0 and params.seed is not None and j:
-                        p = params.with_overrides(seed=params.seed + j)  # n samples, not n copies
-                    request = GenerationRequest(tuple(ids), p, new_id("req"))
-                    self.loop.submit(Submission(request, index, queue, loop, stream=stream))
-                    submitted.append(request.request_id)
-                    choices.append(ChoiceOutput(index, request.request_id, ids, self.engine.tokenizer,
-                                                end_ids, stops, max_tokens, logprobs=params.logprobs is not None))
+            self.loop.submit(submissions)  # all the choices, or none
         except (QueueFull, RequestError) as err:
-            for request_id in submitted:
-                self.loop.abort(request_id)
             if isinstance(err, QueueFull):
                 raise self._queue_full() from None
             if err.code == CONTEXT_LENGTH_EXCEEDED:
