@@ -27,6 +27,9 @@ class EngineConfig:
     # the most tokens one likelihood-scoring request may feed the model: (n - 1) x samples x n for a
     # prompt of n tokens (engine.scoring); beyond it the request is refused
     max_score_tokens: int = 1 << 22
+    # torch's intra-op CPU threads; None: the CPUs this process may use (engine.cpus: affinity and
+    # cgroup quota), not torch's default of every core of the machine
+    threads: Optional[int] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
@@ -39,6 +42,9 @@ class EngineConfig:
             raise ValueError(f"max_score_tokens must be a positive integer, got {self.max_score_tokens!r}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or self.threads < 1):
+            raise ValueError(f"threads must be a positive integer, got {self.threads!r}")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError(f"cuda_graphs needs a CUDA device, got device {self.device!r}")
         if self.dtype.lower() not in DTYPE_ALIASES:

@@ -113,6 +113,12 @@ def _add_setting(parser: Any, name: str, *aliases: str, unset: str = "", **optio
     parser.add_argument("--" + name.replace("_", "-"), *aliases, dest=name, default=None, **options)
 
 
+def _cpus() -> int:
+    from engine.cpus import available_cpus
+
+    return available_cpus()
+
+
 def _generate(args: argparse.Namespace) -> int:
     from engine import CheckpointError, DeviceError, RequestError, load_model, load_tokenizer
     from engine.chat import chat_prompt_ids
@@ -561,6 +567,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_setting(engine, "max_logprobs", type=int, help="most top logprobs a request may ask for per token")
     _add_setting(engine, "max_score_tokens", type=int,
                  help="most tokens one likelihood-scoring request (echo + logprobs) may feed the model")
+    _add_setting(engine, "threads", type=int, help="torch CPU threads (intra-op pool); see docs/operations.md",
+                 unset=f"the CPUs this process may use, by affinity and cgroup quota: {_cpus()} here")
     _add_setting(engine, "compile_decide", action=argparse.BooleanOptionalAction,
                  help="compile the decide step (torch.compile): less host time a step, seconds of compiling "
                       "per new batch shape at the start")
@@ -570,7 +578,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_setting(sv, "served_model_name", help="the model id clients send", unset="the directory name")
     _add_setting(sv, "host", help="address to listen on")
     _add_setting(sv, "port", type=int, help="port to listen on")
-    _add_setting(sv, "max_queue", type=int, help="requests waiting for a row (after the free rows are filled) before 429")
+    _add_setting(sv, "max_queue", type=int, help="requests waiting for a row (after the free rows are filled) "
+                                                 "before 429")
     _add_setting(sv, "max_n", type=int, help="completions per request, n x prompts")
     _add_setting(sv, "api_key", help="require 'Authorization: Bearer KEY' on /v1 routes", unset="no key")
     _add_setting(sv, "default_decoding", help="JSON object of default decoding knobs, e.g. "
