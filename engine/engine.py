@@ -34,7 +34,7 @@ from engine.model_runner import ModelRunner
 from engine.models.transformer import DiffusionTransformer
 from engine.request import Request, StepOutput
 from engine.scheduler import Scheduler
-from engine.scoring import prompt_logprobs, scoring_cost
+from engine.scoring import ScoringJob, scoring_cost
 
 Prompt = Union[GenerationRequest, Sequence[int], str]
 
@@ -188,17 +188,22 @@ class Engine:
                                f"(--max-score-tokens); use fewer samples or a shorter prompt",
                                param="score_samples", code="scoring_too_large")
 
-    @torch.no_grad()
+    def scoring_job(self, prompt_ids: Sequence[int], samples: Optional[int] = None, seed: int = 0) -> ScoringJob:
+        """A checked likelihood-scoring job of a prompt, as forwards of at most `score_chunk_tokens`
+        tokens: the server runs them between decode steps (`ScoringJob.advance`), `score` at once.
+        Its masks are drawn here, from the seed: the numbers do not depend on how it is run."""
+        ids = [int(t) for t in prompt_ids]
+        samples = samples if samples is not None else DecodeParams().score_samples
+        self.check_score(ids, samples)
+        return ScoringJob(self.model, ids, samples, seed, chunk_tokens=self.config.score_chunk_tokens)
+
     def score(self, prompt_ids: Sequence[int], samples: Optional[int] = None,
               seed: int = 0) -> list[Optional[float]]:
         """Per-token log-likelihood estimates of a prompt (LLaDA's Monte-Carlo estimator, made
         per-token so that any suffix sums to the estimate for that continuation: engine.scoring).
         None for the first token. Seeded: the same call gives the same numbers. Runs on the calling
         thread; do not call it while another thread steps this engine."""
-        ids = [int(t) for t in prompt_ids]
-        samples = samples if samples is not None else DecodeParams().score_samples
-        self.check_score(ids, samples)
-        return prompt_logprobs(self.model, ids, samples, seed)
+        return self.scoring_job(prompt_ids, samples, seed).run().logprobs()
 
     # ------------------------------------------------------------------ offline batches
 

@@ -566,7 +566,12 @@ def build_parser() -> argparse.ArgumentParser:
                  help="FlashAttention kernels", unset="when installed and usable")
     _add_setting(engine, "max_logprobs", type=int, help="most top logprobs a request may ask for per token")
     _add_setting(engine, "max_score_tokens", type=int,
-                 help="most tokens one likelihood-scoring request (echo + logprobs) may feed the model")
+                 help="most tokens one likelihood-scoring request (echo + logprobs) may feed the model; the "
+                      "default is what the bundled model scores within the 60 s --stall-timeout on a 2-core CPU "
+                      "(about 40 s at the 13 k tokens/s of bench/scoring_chunks.py)")
+    _add_setting(engine, "score_chunk_tokens", type=int,
+                 help="most tokens one scoring forward feeds the model; a scoring request runs as such chunks "
+                      "between decode steps, so a step waits on one at most")
     _add_setting(engine, "threads", type=int, help="torch CPU threads (intra-op pool); see docs/operations.md",
                  unset=f"the CPUs this process may use, by affinity and cgroup quota: {_cpus()} here")
     _add_setting(engine, "compile_decide", action=argparse.BooleanOptionalAction,
@@ -581,6 +586,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_setting(sv, "max_queue", type=int, help="requests waiting for a row (after the free rows are filled) "
                                                  "before 429")
     _add_setting(sv, "max_n", type=int, help="completions per request, n x prompts")
+    _add_setting(sv, "max_decode_steps", type=int, help="most decode steps one choice may take (its decoding.steps, "
+                 "by default one per canvas token); a request over it gets a 400", unset="no cap")
     _add_setting(sv, "api_key", help="require 'Authorization: Bearer KEY' on /v1 routes", unset="no key")
     _add_setting(sv, "default_decoding", help="JSON object of default decoding knobs, e.g. "
                  "'{\"cache\": \"dual\"}'", unset="the model's defaults")

@@ -19,15 +19,17 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from engine import Engine, GenerationRequest, GenerationResult, StepOutput
 from engine.decoding.types import TokenLogprob
+from engine.scoring import ScoringJob
 from server.admission import RefillTracker, admission_limit
 from server.energy import EnergyMeter, share_energy
 from server.metrics import Metrics
+from server.scoring_jobs import ScoringQueue
 
 _IDLE_WAIT = 0.05
 _RATE_WINDOW = 64  # completions the Retry-After rate is measured over
@@ -37,10 +39,6 @@ RETRY_AFTER_MAX = 300  # seconds: beyond it a client had better give up than wai
 
 class QueueFull(Exception):
     pass
-
-
-class ShuttingDown(Exception):
-    """A job that was still waiting when the server stopped serving."""
 
 
 @dataclass
@@ -73,15 +71,6 @@ class Submission:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
 
-def _settle(future: asyncio.Future, result: Any, error: Optional[BaseException]) -> None:
-    if future.cancelled():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
 def _deliver(events: Sequence[tuple[asyncio.Queue, Event]]) -> None:
     for queue, event in events:
         queue.put_nowait(event)
@@ -103,7 +92,7 @@ class EngineLoop:
         self.steps = 0
         self.step_seconds = 0.0  # moving average of a step's duration, for the admission wait
         self._refills = RefillTracker(horizon=2 * admission_wait)
-        self._jobs: deque[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future]] = deque()
+        self._scoring = ScoringQueue(metrics)
         self._finish_times: deque[float] = deque(maxlen=_RATE_WINDOW)  # when the last requests finished
         self._thread = threading.Thread(target=self._run, name="cai-dllm-engine", daemon=True)
 
@@ -129,7 +118,7 @@ class EngineLoop:
     def num_pending(self) -> int:
         """Requests waiting or decoding."""
         with self._lock:
-            return len(self._active) + len(self._jobs)
+            return len(self._active) + len(self._scoring)
 
     def submit(self, submissions: Sequence[Submission]) -> None:
         """Queue the requests of one API request (its choices) in the engine, all or none. Raises
@@ -176,16 +165,14 @@ class EngineLoop:
         waiting = self.engine.num_waiting + 1
         return max(1, min(RETRY_AFTER_MAX, math.ceil(waiting / rate)))
 
-    def run_job(self, job: Callable[[], Any]) -> asyncio.Future:
-        """Run `job` (model work outside decoding: likelihood scoring) on the engine thread between two
-        steps, so nothing else uses the model meanwhile; the future gets its result or exception.
-        Jobs count against the waiting queue (QueueFull)."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
+    def score(self, job: ScoringJob) -> asyncio.Future:
+        """Run a likelihood-scoring job on the engine thread, a chunk between two decode steps
+        (server/scoring_jobs.py); the future gets its per-token logprobs or its exception. Jobs
+        behind the one running count against the waiting queue (QueueFull)."""
         with self._lock:
-            if self._waiting_after(0) + len(self._jobs) > self.max_queue:  # the jobs behind the one that runs
+            if self._waiting_after(0) + len(self._scoring) > self.max_queue:
                 raise QueueFull
-            self._jobs.append((job, loop, future))
+            future = self._scoring.add(job)
         self._wake.set()
         return future
 
@@ -197,29 +184,14 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ the engine thread
 
-    def _run_one_job(self) -> bool:
-        """Run the oldest waiting job, if any (one per step, so decoding rows keep moving)."""
-        with self._lock:
-            if not self._jobs:
-                return False
-            job, loop, future = self._jobs.popleft()
-        if future.cancelled():  # its client went away while it waited
-            return True
-        try:
-            result, error = job(), None
-        except Exception as err:  # handed to the request that asked, as its own failure
-            result, error = None, err
-        self.last_progress = time.monotonic()
-        loop.call_soon_threadsafe(_settle, future, result, error)
-        return True
-
     def _run(self) -> None:
         freed = 0
         while not self._stop.is_set():
-            ran_job = self._run_one_job()
+            if self._scoring.advance():  # a chunk of scoring is progress too (/health)
+                self.last_progress = time.monotonic()
             self._await_arrivals(freed)
             if not self.engine.has_unfinished():
-                if ran_job:
+                if len(self._scoring):
                     continue
                 self.last_progress = time.monotonic()
                 self._wake.wait(_IDLE_WAIT)
@@ -235,12 +207,10 @@ class EngineLoop:
         event and its rows are freed; scoring jobs not yet run fail the same way. Any thread."""
         with self._lock:
             subs, self._active = list(self._active.values()), {}
-            jobs, self._jobs = list(self._jobs), deque()
         for sub in subs:
             self.engine.abort(sub.request.request_id)
             sub.post(Event("error", sub.choice, message=message, status=503, code="shutting_down"))
-        for _, loop, future in jobs:
-            loop.call_soon_threadsafe(_settle, future, None, ShuttingDown(message))
+        self._scoring.fail_all(message)
         self._wake.set()
 
     def _fail_all(self, message: str) -> None:

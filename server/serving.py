@@ -20,7 +20,6 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from functools import partial
 from typing import Any, Optional, Union
 
 from fastapi import Request
@@ -62,7 +61,9 @@ from server.protocol import (
     new_id,
     now,
 )
-from server.scheduler import EngineLoop, QueueFull, ShuttingDown, Submission
+from server.request_cost import DECODE_STEPS_EXCEEDED, check_decode_steps
+from server.scheduler import EngineLoop, QueueFull, Submission
+from server.scoring_jobs import ShuttingDown
 from server.settings import ServerSettings
 
 log = logging.getLogger("uvicorn.error")
@@ -81,7 +82,8 @@ SCORING_TOO_LARGE = "scoring_too_large"  # echo + logprobs above --max-score-tok
 INVALID_UNICODE = "invalid_unicode"  # a lone surrogate escape in a string (valid JSON, not text)
 UNKNOWN_PROFILE = "unknown_profile"  # decoding.profile names no profile this server loaded
 CROSS_FIELD_CODES = (CONTEXT_LENGTH_EXCEEDED, INVALID_DECODING, TOO_MANY_CHOICES, LOGPROBS_REQUIRED,
-                     CHAT_TEMPLATE_ERROR, EMPTY_PROMPT, SCORING_TOO_LARGE, INVALID_UNICODE, UNKNOWN_PROFILE)
+                     CHAT_TEMPLATE_ERROR, EMPTY_PROMPT, SCORING_TOO_LARGE, INVALID_UNICODE, UNKNOWN_PROFILE,
+                     DECODE_STEPS_EXCEEDED)
 # How often a request waiting on the engine checks whether its client is still there.
 _DISCONNECT_POLL_SECONDS = 0.25
 
@@ -482,6 +484,7 @@ class Serving:
         self._check_model(body.model)
         prompts = self._completion_prompts(body)
         params = self._params(body, body.max_tokens or None, max(map(len, prompts)))  # 0: nothing to decode
+        check_decode_steps(params, body, body.max_tokens, self.settings.max_decode_steps)
         echoes = await self._echoes(prompts, params, body) if body.echo else None
         return await self._serve(body, request, prompts, params, body.max_tokens, chat=False, echoes=echoes)
 
@@ -496,8 +499,9 @@ class Serving:
                 echoes.append(Echo(text, None))
                 continue
             try:
-                self.engine.check_score(ids, params.score_samples)
-                scores = await self.loop.run_job(partial(self.engine.score, ids, params.score_samples, body.seed or 0))
+                # the masks are drawn off the event loop and off the engine thread
+                job = await asyncio.to_thread(self.engine.scoring_job, ids, params.score_samples, body.seed or 0)
+                scores = await self.loop.score(job)
             except RequestError as err:
                 param = "decoding.score_samples" if err.param == "score_samples" else "prompt"
                 raise APIError(400, str(err), param=param, code=err.code) from None
@@ -514,6 +518,7 @@ class Serving:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         prompt = self._chat_prompt(body)
         params = self._params(body, max_tokens or None, len(prompt))  # 0: nothing to decode
+        check_decode_steps(params, body, max_tokens, self.settings.max_decode_steps)
         return await self._serve(body, request, [prompt], params, max_tokens, chat=True)
 
     async def _serve(self, body: Union[CompletionRequest, ChatCompletionRequest], request: Request,
