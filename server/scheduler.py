@@ -5,7 +5,8 @@ thread-safe), so a bad request fails in its handler and the waiting queue is the
 The engine thread only loops over `Engine.step()` and routes each step's outputs to the
 submissions they belong to: one callback per event loop per step (`call_soon_threadsafe`) carries
 every event of that step. A streamed request gets every non-empty delta; a whole one collects its
-deltas here and gets them with its result, so it wakes once.
+deltas here and gets them with its result, so it wakes once. Likelihood-scoring requests run on
+the same thread, one bounded chunk between two steps (server/scoring_jobs.py).
 
 After a step that frees rows nobody is waiting for, the loop may hold the next step a few
 milliseconds for the requests about to fill them (server/admission.py: bounded by the freed rows'

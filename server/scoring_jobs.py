@@ -84,7 +84,8 @@ class ScoringQueue:
         m.labels(m.scoring_tokens).inc(fed)
         if error is not None or entry.job.done:
             with self._lock:
-                self._entries.popleft()
+                if self._entries and self._entries[0] is entry:  # not already taken by fail_all
+                    self._entries.popleft()
             entry.loop.call_soon_threadsafe(_settle, entry.future, result, error)
             self._gauge()
         return True
