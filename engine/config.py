@@ -22,8 +22,17 @@ class EngineConfig:
     # the most top alternatives a request may ask for per token (vLLM's --max-logprobs)
     max_logprobs: int = 20
     # the most tokens one likelihood-scoring request may feed the model: (n - 1) x samples x n for a
-    # prompt of n tokens (engine.scoring); beyond it the request is refused
-    max_score_tokens: int = 1 << 22
+    # prompt of n tokens (engine.scoring); beyond it the request is refused. The default is what the
+    # bundled model scores well within the server's 60 s stall timeout on a 2-core CPU (~13 k tokens/s
+    # on one thread, bench/scoring_chunks.py): a request at the limit ends in about 40 s
+    max_score_tokens: int = 1 << 19
+    # the most tokens one scoring forward feeds the model (at least one row of the prompt): the server
+    # runs a scoring request as such chunks between decode steps, so a step waits on one at most.
+    # About the tokens a full batch's step feeds; smaller chunks cost no throughput (bench/scoring_chunks.py)
+    score_chunk_tokens: int = 1024
+    # torch's intra-op CPU threads; None: the CPUs this process may use (engine.cpus: affinity and
+    # cgroup quota), not torch's default of every core of the machine
+    threads: Optional[int] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
@@ -34,8 +43,14 @@ class EngineConfig:
         if isinstance(self.max_score_tokens, bool) or not isinstance(self.max_score_tokens, int) \
                 or self.max_score_tokens < 1:
             raise ValueError(f"max_score_tokens must be a positive integer, got {self.max_score_tokens!r}")
+        if isinstance(self.score_chunk_tokens, bool) or not isinstance(self.score_chunk_tokens, int) \
+                or self.score_chunk_tokens < 1:
+            raise ValueError(f"score_chunk_tokens must be a positive integer, got {self.score_chunk_tokens!r}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or self.threads < 1):
+            raise ValueError(f"threads must be a positive integer, got {self.threads!r}")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError(f"cuda_graphs needs a CUDA device, got device {self.device!r}")
         if self.dtype.lower() not in DTYPE_ALIASES:

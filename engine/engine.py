@@ -14,6 +14,7 @@ advances and finishes rows from it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -24,6 +25,7 @@ import torch
 from engine import summary
 from engine.batch import Batch
 from engine.config import EngineConfig
+from engine.cpus import available_cpus
 from engine.decoding.decide import decide_step
 from engine.decoding.params import DecodeParams, resolve_defaults
 from engine.decoding.types import GenerationRequest, GenerationResult
@@ -35,7 +37,7 @@ from engine.model_runner import ModelRunner
 from engine.models.transformer import DiffusionTransformer
 from engine.request import Request, StepOutput
 from engine.scheduler import Scheduler
-from engine.scoring import prompt_logprobs, scoring_cost
+from engine.scoring import ScoringJob, scoring_cost
 from engine.slots import Slots
 
 Prompt = Union[GenerationRequest, Sequence[int], str]
@@ -43,6 +45,7 @@ Prompt = Union[GenerationRequest, Sequence[int], str]
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
+        torch.set_num_threads(config.threads or available_cpus())  # process-wide: before any work
         model = load_model(config.model, device=config.device, dtype=config.dtype,
                            use_flash_attn=config.use_flash_attn)
         tokenizer: Optional[Any]
@@ -91,9 +94,16 @@ class Engine:
 
     # ------------------------------------------------------------------ the step API
 
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        """Token ids a prompt may hold: the tokenizer's vocabulary where one is loaded (the embedding
+        may have more rows, padding that no text encodes to), else the embedding's rows."""
+        rows = self.model.config.vocab_size
+        return rows if self.tokenizer is None else min(rows, len(self.tokenizer))
+
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
         """RequestError unless the prompt is non-empty token ids of this model's vocabulary."""
-        vocab = self.model.config.vocab_size
+        vocab = self.vocab_size
         if not prompt_ids:
             raise RequestError("prompt_ids must not be empty (a text prompt may encode to no token)",
                                code="empty_prompt")
@@ -172,17 +182,22 @@ class Engine:
                                f"(--max-score-tokens); use fewer samples or a shorter prompt",
                                param="score_samples", code="scoring_too_large")
 
-    @torch.no_grad()
+    def scoring_job(self, prompt_ids: Sequence[int], samples: Optional[int] = None, seed: int = 0) -> ScoringJob:
+        """A checked likelihood-scoring job of a prompt, as forwards of at most `score_chunk_tokens`
+        tokens: the server runs them between decode steps (`ScoringJob.advance`), `score` at once.
+        Its masks are drawn here, from the seed: the numbers do not depend on how it is run."""
+        ids = [int(t) for t in prompt_ids]
+        samples = samples if samples is not None else DecodeParams().score_samples
+        self.check_score(ids, samples)
+        return ScoringJob(self.model, ids, samples, seed, chunk_tokens=self.config.score_chunk_tokens)
+
     def score(self, prompt_ids: Sequence[int], samples: Optional[int] = None,
               seed: int = 0) -> list[Optional[float]]:
         """Per-token log-likelihood estimates of a prompt (LLaDA's Monte-Carlo estimator, made
         per-token so that any suffix sums to the estimate for that continuation: engine.scoring).
         None for the first token. Seeded: the same call gives the same numbers. Runs on the calling
         thread; do not call it while another thread steps this engine."""
-        ids = [int(t) for t in prompt_ids]
-        samples = samples if samples is not None else DecodeParams().score_samples
-        self.check_score(ids, samples)
-        return prompt_logprobs(self.model, ids, samples, seed)
+        return self.scoring_job(prompt_ids, samples, seed).run().logprobs()
 
     # ------------------------------------------------------------------ offline batches
 

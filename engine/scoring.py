@@ -60,26 +60,81 @@ def _masks(n: int, splits: torch.Tensor, samples: int, generator: torch.Generato
     return scores <= kth, length / count
 
 
-@torch.no_grad()
+class ScoringJob:
+    """One prompt's scoring as a sequence of forwards, run one `advance()` at a time.
+
+    Each forward feeds at most `chunk_tokens` tokens (rows x prompt length; at least one row), so
+    the server can interleave them with decode steps and no step waits on more than one of them;
+    `Engine.score` runs them back to back. Every mask is drawn here, at construction, from the seed:
+    how the forwards are spread in time does not change a number."""
+
+    def __init__(self, model: DiffusionTransformer, prompt_ids: Sequence[int], samples: int, seed: int = 0,
+                 splits: Optional[Sequence[int]] = None, chunk_tokens: int = 8192) -> None:
+        n = len(prompt_ids)
+        if samples < 1:
+            raise ValueError(f"samples must be >= 1, got {samples}")
+        splits = list(range(1, n) if splits is None else splits)
+        if any(not 1 <= c < n for c in splits):
+            raise ValueError(f"splits must lie in [1, {n})")
+        self.model, self.n, self.splits, self.samples = model, n, splits, samples
+        self._ids = torch.tensor(list(prompt_ids), dtype=torch.long)
+        self._shift = 1 if model.logits_shifted else 0
+        generator = torch.Generator().manual_seed(seed)
+        self._masked, self._weight = _masks(n, torch.tensor(splits, dtype=torch.long), samples, generator)
+        most = int(self._masked.sum(dim=1).max()) if splits else 1
+        self._rows = max(1, min(chunk_tokens // max(1, n), _MAX_LOGIT_FLOATS // (most * model.config.vocab_size)))
+        self._totals: list[torch.Tensor] = []
+        self._next = 0  # the first row not run yet
+
+    @property
+    def done(self) -> bool:
+        return self._next >= len(self._masked)
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens the whole job feeds the model (`scoring_cost` for every split)."""
+        return len(self._masked) * self.n
+
+    @torch.no_grad()
+    def advance(self) -> int:
+        """Run the next forward; returns the tokens it fed the model (0 once done)."""
+        if self.done:
+            return 0
+        start, stop = self._next, min(self._next + self._rows, len(self._masked))
+        self._totals.append(_masked_loglik(self.model, self._ids, self._masked[start:stop], self._shift))
+        self._next = stop
+        return (stop - start) * self.n
+
+    def run(self) -> ScoringJob:
+        while not self.done:
+            self.advance()
+        return self
+
+    def sample_values(self) -> torch.Tensor:
+        """The estimator's terms [len(splits), samples] (float64): for each split c and sample k,
+        (L / l) * sum over its l masked positions of log p(true token). Their mean over k is S_c."""
+        if not self.done:
+            raise RuntimeError("the scoring job has forwards left to run")
+        totals = torch.cat(self._totals) if self._totals else torch.zeros(0, dtype=torch.float64)
+        return (totals * self._weight.double()).view(len(self.splits), self.samples)
+
+    def logprobs(self) -> list[Optional[float]]:
+        """Per-token estimates of the prompt (the splits must be every c in 1..n-1): None for the first
+        token, then S_c - S_{c+1} for every later token c (see the module docstring)."""
+        if self.n < 2:
+            return [None] * self.n
+        if self.splits != list(range(1, self.n)):
+            raise ValueError("per-token logprobs need every split 1..n-1")
+        estimate = self.sample_values().mean(dim=1)
+        after = torch.cat([estimate[1:], torch.zeros(1, dtype=torch.float64)])  # S_{c+1}; S_n = 0
+        return [None, *(estimate - after).tolist()]
+
+
 def sample_values(model: DiffusionTransformer, prompt_ids: Sequence[int], splits: Sequence[int], samples: int,
                   seed: int = 0, max_forward_tokens: int = 8192) -> torch.Tensor:
-    """The estimator's terms [len(splits), samples] (float64): for each split c and sample k,
-    (L / l) * sum over its l masked positions of log p(true token). Their mean over k is S_c.
+    """The estimator's terms [len(splits), samples] (see `ScoringJob.sample_values`), all at once.
     `max_forward_tokens` bounds the tokens of one forward (rows x prompt length)."""
-    n = len(prompt_ids)
-    if samples < 1:
-        raise ValueError(f"samples must be >= 1, got {samples}")
-    if any(not 1 <= c < n for c in splits):
-        raise ValueError(f"splits must lie in [1, {n})")
-    generator = torch.Generator().manual_seed(seed)
-    masked, weight = _masks(n, torch.tensor(list(splits), dtype=torch.long), samples, generator)
-    ids = torch.tensor(list(prompt_ids), dtype=torch.long)
-    shift = 1 if model.logits_shifted else 0
-    most = int(masked.sum(dim=1).max())
-    rows = max(1, min(max_forward_tokens // n, _MAX_LOGIT_FLOATS // (most * model.config.vocab_size)))
-    totals = torch.cat([_masked_loglik(model, ids, masked[start:start + rows], shift)
-                        for start in range(0, len(masked), rows)])
-    return (totals * weight.double()).view(len(splits), samples)
+    return ScoringJob(model, prompt_ids, samples, seed, splits, max_forward_tokens).run().sample_values()
 
 
 def split_estimates(model: DiffusionTransformer, prompt_ids: Sequence[int], splits: Sequence[int], samples: int,
@@ -92,12 +147,11 @@ def prompt_logprobs(model: DiffusionTransformer, prompt_ids: Sequence[int], samp
                     max_forward_tokens: int = 8192) -> list[Optional[float]]:
     """Per-token log-likelihood estimates of `prompt_ids` (see the module docstring): None for the
     first token, then S_c - S_{c+1} for every later token c."""
-    n = len(prompt_ids)
-    if n < 2:
-        return [None] * n
-    estimate = split_estimates(model, prompt_ids, range(1, n), samples, seed, max_forward_tokens)
-    after = torch.cat([estimate[1:], torch.zeros(1, dtype=torch.float64)])  # S_{c+1}; S_n = 0
-    return [None, *(estimate - after).tolist()]
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    if len(prompt_ids) < 2:
+        return [None] * len(prompt_ids)
+    return ScoringJob(model, prompt_ids, samples, seed, chunk_tokens=max_forward_tokens).run().logprobs()
 
 
 def _masked_loglik(model: DiffusionTransformer, ids: torch.Tensor, masked: torch.Tensor, shift: int) -> torch.Tensor:

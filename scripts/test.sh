@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Set up a virtual environment from scratch and run the linter and the whole test suite.
 # torch is installed first, pinned, so the CPU build on this machine's disk is used instead of a
-# multi-GB CUDA download. The operations tests also drive Debian's prometheus and docker-compose:
-# installed here when running as root with apt (as on CI); elsewhere those tests skip.
+# multi-GB CUDA download. The operations tests also drive Debian's prometheus, docker-compose and
+# nginx: installed here when running as root with apt (as on CI); elsewhere those tests skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
-   && ! { command -v prometheus && command -v docker-compose; } >/dev/null; then
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus docker-compose >/dev/null
+   && ! { command -v prometheus && command -v docker-compose && command -v nginx; } >/dev/null; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus docker-compose \
+    nginx-light >/dev/null
 fi
 python3 -m venv "$VENV"
 "$VENV/bin/pip" install --quiet torch==2.13.0

@@ -1,8 +1,8 @@
 """The FastAPI app: thin routes over the endpoints' serving objects, plus auth, limits, health and metrics.
 
 The model loads in a background thread at start-up, so `/health` and `/ready` answer at once
-(`/ready` says 503 until the model is loaded and warmed up). Bodies are read and parsed here, not
-by FastAPI, so every malformed body (too large, not UTF-8, not JSON, nested too deep, wrong
+(`/ready` says 503 until the model is loaded and warmed up). Bodies are read and parsed here (server/request_body.py),
+not by FastAPI, so every malformed body (too large, not UTF-8, not JSON, nested too deep, wrong
 types) becomes a clear OpenAI-style 4xx.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import threading
 import time
@@ -42,7 +41,7 @@ from server.protocol import (
     TokenizeCompletionRequest,
     TokenizeRequest,
 )
-from server.serving_base import INVALID_UNICODE
+from server.request_body import read_json
 from server.serving_chat import ChatServing
 from server.serving_completions import CompletionServing
 from server.serving_tokenization import TokenizationServing
@@ -195,33 +194,8 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
     async def internal_error(_: Request, err: Exception) -> JSONResponse:
         return error_response(500, f"Internal server error: {type(err).__name__}", code="internal_error")
 
-    async def read_json(request: Request) -> dict:
-        raw = bytearray()
-        async for piece in request.stream():
-            raw.extend(piece)
-            if len(raw) > settings.max_body_bytes:
-                raise APIError(413, f"Request body exceeds {settings.max_body_bytes} bytes", code="request_too_large")
-        try:
-            data = json.loads(bytes(raw).decode("utf-8"), parse_constant=_not_a_json_number)
-        except UnicodeDecodeError:
-            raise APIError(400, "Request body is not valid UTF-8", code="invalid_json") from None
-        except (json.JSONDecodeError, RecursionError):
-            raise APIError(400, "Request body is not valid JSON (or is nested too deeply)",
-                           code="invalid_json") from None
-        except NotAJsonNumber as err:
-            raise APIError(400, f"Request body is not valid JSON: {err} is not a number in JSON",
-                           code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "Request body must be a JSON object", code="invalid_json")
-        try:  # a \ud800-style escape with no pair decodes to a lone surrogate: no text, no token
-            json.dumps(data, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise APIError(400, "Request body holds a string with a lone surrogate escape (\\ud800-\\udfff "
-                           "without its pair): not valid Unicode text", code=INVALID_UNICODE) from None
-        return data
-
     async def read_body(request: Request, model: type) -> Any:
-        data = await read_json(request)
+        data = await read_json(request, settings.max_body_bytes)
         if model is TokenizeRequest:  # the two shapes are told apart by their fields, never guessed
             if ("prompt" in data) == ("messages" in data):
                 raise APIError(400, "send exactly one of 'prompt' or 'messages'", param="prompt")
@@ -372,16 +346,6 @@ class GuardMiddleware:
             state.in_flight -= 1
             if guarded and status.get("code", 500) >= 400 and status.get("code") != CLIENT_CLOSED_REQUEST:
                 state.metrics.labels(state.metrics.request_errors, status=str(status.get("code", 500))).inc()
-
-
-class NotAJsonNumber(ValueError):
-    pass
-
-
-def _not_a_json_number(constant: str) -> Any:
-    """Python's json reads NaN and Infinity; JSON has no such numbers (and `temperature: NaN` would
-    otherwise be refused as "should be <= 2")."""
-    raise NotAJsonNumber(constant)
 
 
 def _authorized(header: str, key: str) -> bool:

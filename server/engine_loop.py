@@ -7,7 +7,8 @@ thread-safe), so a bad request fails in its handler and the waiting queue is the
 The engine thread only loops over `Engine.step()` and routes each step's outputs to the
 submissions they belong to: one callback per event loop per step (`call_soon_threadsafe`) carries
 every event of that step. A streamed request gets every non-empty delta; a whole one collects its
-deltas here and gets them with its result, so it wakes once.
+deltas here and gets them with its result, so it wakes once. Likelihood-scoring requests run on
+the same thread, one bounded chunk between two steps (server/scoring_jobs.py).
 
 After a step that frees rows nobody is waiting for, the loop may hold the next step a few
 milliseconds for the requests about to fill them (server/admission.py: bounded by the freed rows'
@@ -17,21 +18,22 @@ share of a step and by `admission_wait`, and only while recent refills came that
 from __future__ import annotations
 
 import asyncio
-import functools
 import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from engine import Engine, GenerationRequest, GenerationResult, StepOutput
 from engine.decoding.types import TokenLogprob
+from engine.scoring import ScoringJob
 from server.admission import RefillTracker, admission_limit
 from server.energy import EnergyMeter, share_energy
-from server.errors import QueueFull, ShuttingDown
+from server.errors import QueueFull
 from server.metrics import Metrics
+from server.scoring_jobs import ScoringQueue
 
 _IDLE_WAIT = 0.05
 _RATE_WINDOW = 64  # completions the Retry-After rate is measured over
@@ -69,15 +71,6 @@ class Submission:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
 
-def _settle(future: asyncio.Future, result: Any, error: Optional[BaseException]) -> None:
-    if future.cancelled():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
 def _deliver(events: Sequence[tuple[asyncio.Queue, Event]]) -> None:
     for queue, event in events:
         queue.put_nowait(event)
@@ -99,7 +92,7 @@ class EngineLoop:
         self.steps = 0
         self.step_seconds = 0.0  # moving average of a step's duration, for the admission wait
         self._refills = RefillTracker(horizon=2 * admission_wait)
-        self._jobs: deque[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future]] = deque()
+        self._scoring = ScoringQueue(metrics)
         self._finish_times: deque[float] = deque(maxlen=_RATE_WINDOW)  # when the last requests finished
         self._thread = threading.Thread(target=self._run, name="cai-dllm-engine", daemon=True)
 
@@ -115,7 +108,7 @@ class EngineLoop:
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.model.config.vocab_size
+        return self.engine.vocab_size
 
     @property
     def end_ids(self) -> frozenset[int]:
@@ -149,10 +142,12 @@ class EngineLoop:
         self.engine.generate([[0]], params)
 
     async def score(self, prompt_ids: Sequence[int], samples: int, seed: int) -> list[Optional[float]]:
-        """Per-token likelihood estimates of a prompt (`Engine.score`), run on the engine thread
-        between steps; RequestError for a prompt or sample count the engine refuses."""
-        self.engine.check_score(prompt_ids, samples)
-        return await self.run_job(functools.partial(self.engine.score, prompt_ids, samples, seed))
+        """Per-token likelihood estimates of a prompt (`Engine.score`'s numbers): the job's masks are
+        drawn off the event loop and off the engine thread, then it runs on the engine thread, a
+        chunk between two decode steps. RequestError for a prompt or sample count the engine
+        refuses; QueueFull when the waiting queue is full."""
+        job = await asyncio.to_thread(self.engine.scoring_job, prompt_ids, samples, seed)
+        return await self._queue_scoring(job)
 
     # ------------------------------------------------------------------ called from the event loop
 
@@ -176,22 +171,40 @@ class EngineLoop:
     def num_pending(self) -> int:
         """Requests waiting or decoding."""
         with self._lock:
-            return len(self._active) + len(self._jobs)
+            return len(self._active) + len(self._scoring)
 
-    def submit(self, submission: Submission) -> None:
-        """Queue a request in the engine; raises QueueFull, or the engine's RequestError for a
-        request it cannot take (the message names what is wrong)."""
-        request = submission.request
+    def submit(self, submissions: Sequence[Submission]) -> None:
+        """Queue the requests of one API request (its choices) in the engine, all or none. Raises
+        QueueFull when more than `max_queue` requests would wait once the free rows are filled, or
+        the engine's RequestError for a request it cannot take (the message names what is wrong)."""
         with self._lock:
-            if self.engine.num_waiting >= self.max_queue:
+            if self._waiting_after(len(submissions)) > self.max_queue:
                 raise QueueFull
-            self.engine.add_request(request.prompt_ids, request.params, request.request_id,
-                                    queued_at=submission.submitted)
-            self._active[request.request_id] = submission
+            added: list[str] = []
+            try:
+                for submission in submissions:
+                    request = submission.request
+                    self.engine.add_request(request.prompt_ids, request.params, request.request_id,
+                                            queued_at=submission.submitted)
+                    self._active[request.request_id] = submission
+                    added.append(request.request_id)
+            except Exception:
+                for request_id in added:
+                    self._active.pop(request_id, None)
+                    self.engine.abort(request_id)
+                raise
         if self.admission_wait > 0:
-            self._refills.request_arrived(time.monotonic())
+            now = time.monotonic()
+            for _ in submissions:
+                self._refills.request_arrived(now)
         self._update_gauges()
         self._wake.set()
+
+    def _waiting_after(self, adding: int) -> int:
+        """Requests that would wait for a row with `adding` more, once the next step fills the free rows
+        (those are not queued: counting them refused requests an idle server could take at once)."""
+        free = max(0, self.engine.max_batch - self.engine.num_running)
+        return max(0, self.engine.num_waiting + adding - free)
 
     def retry_after(self) -> int:
         """Seconds until the waiting queue has room again, for a 429's Retry-After: the requests
@@ -205,16 +218,14 @@ class EngineLoop:
         waiting = self.engine.num_waiting + 1
         return max(1, min(RETRY_AFTER_MAX, math.ceil(waiting / rate)))
 
-    def run_job(self, job: Callable[[], Any]) -> asyncio.Future:
-        """Run `job` (model work outside decoding: likelihood scoring) on the engine thread between two
-        steps, so nothing else uses the model meanwhile; the future gets its result or exception.
-        Jobs count against the waiting queue (QueueFull)."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
+    def _queue_scoring(self, job: ScoringJob) -> asyncio.Future:
+        """Run a likelihood-scoring job on the engine thread, a chunk between two decode steps
+        (server/scoring_jobs.py); the future gets its per-token logprobs or its exception. Jobs
+        behind the one running count against the waiting queue (QueueFull)."""
         with self._lock:
-            if self.engine.num_waiting + len(self._jobs) >= self.max_queue:
+            if self._waiting_after(0) + len(self._scoring) > self.max_queue:
                 raise QueueFull
-            self._jobs.append((job, loop, future))
+            future = self._scoring.add(job)
         self._wake.set()
         return future
 
@@ -226,29 +237,14 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ the engine thread
 
-    def _run_one_job(self) -> bool:
-        """Run the oldest waiting job, if any (one per step, so decoding rows keep moving)."""
-        with self._lock:
-            if not self._jobs:
-                return False
-            job, loop, future = self._jobs.popleft()
-        if future.cancelled():  # its client went away while it waited
-            return True
-        try:
-            result, error = job(), None
-        except Exception as err:  # handed to the request that asked, as its own failure
-            result, error = None, err
-        self.last_progress = time.monotonic()
-        loop.call_soon_threadsafe(_settle, future, result, error)
-        return True
-
     def _run(self) -> None:
         freed = 0
         while not self._stop.is_set():
-            ran_job = self._run_one_job()
+            if self._scoring.advance():  # a chunk of scoring is progress too (/health)
+                self.last_progress = time.monotonic()
             self._await_arrivals(freed)
             if not self.engine.has_unfinished():
-                if ran_job:
+                if len(self._scoring):
                     continue
                 self.last_progress = time.monotonic()
                 self._wake.wait(_IDLE_WAIT)
@@ -264,12 +260,10 @@ class EngineLoop:
         event and its rows are freed; scoring jobs not yet run fail the same way. Any thread."""
         with self._lock:
             subs, self._active = list(self._active.values()), {}
-            jobs, self._jobs = list(self._jobs), deque()
         for sub in subs:
             self.engine.abort(sub.request.request_id)
             sub.post(Event("error", sub.choice, message=message, status=503, code="shutting_down"))
-        for _, loop, future in jobs:
-            loop.call_soon_threadsafe(_settle, future, None, ShuttingDown(message))
+        self._scoring.fail_all(message)
         self._wake.set()
 
     def _fail_all(self, message: str) -> None:

@@ -19,6 +19,7 @@ from prometheus_client.process_collector import ProcessCollector
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+_CHUNK_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 _JOULES = (0.01, 0.1, 0.5, 1, 5, 10, 50, 100, 500, 1000, 5000)
 
 
@@ -61,6 +62,13 @@ class Metrics:
         self.grinding = Counter("caidllm:grinding_exits", "Grinding-phase detector firings", label, registry=r)
         self.client_disconnects = Counter("caidllm:client_disconnects", "Requests whose client went away before "
                                           "the answer (the row freed)", label, registry=r)
+        self.scoring_requests = Gauge("caidllm:num_scoring_requests", "Likelihood-scoring requests (echo + "
+                                      "logprobs) running or waiting on the engine thread", label, registry=r)
+        self.scoring_tokens = Counter("caidllm:scoring_tokens", "Tokens fed to the model by likelihood scoring",
+                                      label, registry=r)
+        self.scoring_chunk_seconds = Histogram("caidllm:scoring_chunk_seconds", "Engine-thread time of one "
+                                               "scoring chunk (the most a decode step waits on scoring)", label,
+                                               buckets=_CHUNK_SECONDS, registry=r)
         self.request_joules: Optional[Histogram] = None
         self.joules: Optional[Counter] = None
         if energy:
@@ -71,6 +79,7 @@ class Metrics:
         for metric in (self.running, self.waiting, self.prompt_tokens, self.generation_tokens, self.ttft, self.e2e,
                        self.queue_time, self.batch_size, self.nfe, self.tokens_per_step, self.steps_saved_request,
                        self.steps_saved, self.steps, self.forced, self.grinding, self.client_disconnects,
+                       self.scoring_requests, self.scoring_tokens, self.scoring_chunk_seconds,
                        self.request_joules, self.joules):
             if metric is not None:
                 self.labels(metric)

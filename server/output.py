@@ -142,6 +142,7 @@ class ChoiceOutput:
         self.text = ""
         self.sent = 0
         self.ended = False  # an end token, a stop string or max_tokens was reached: nothing after it counts
+        self.end_generated = False  # the response ended at an end token the model generated (it counts)
         self.stopped_by_string = False
         self.cut_at_max_tokens = False
         self.logged: Optional[list[LoggedToken]] = [] if logprobs else None
@@ -174,6 +175,7 @@ class ChoiceOutput:
                                             (wanted == self.max_tokens and end is None)):
             self.cut_at_max_tokens = True
             ids, self.ended, end = ids[:self.max_tokens - len(self.token_ids)], True, None
+        self.end_generated = end is not None
         if self.logged is not None:
             # the end token is logged too (a client scoring max_tokens: 1 expects that many entries)
             self._log(ids, logprobs[:len(ids)])
@@ -244,9 +246,14 @@ class ChoiceOutput:
         piece, self.sent = self.text[self.sent:limit], limit
         return piece
 
+    @property
+    def generated_count(self) -> int:
+        """Tokens generated so far, the end token included once it comes (as vLLM counts them)."""
+        return len(self.token_ids) + self.end_generated
+
     def completion_tokens(self, count_text: Any) -> int:
-        """Tokens of the response: the generated ones before the end token, or, when a stop string
-        cut the text, the text re-encoded (`count_text(text)`)."""
+        """Tokens of the response: the generated ones and the end token, or, when a stop string cut
+        the text, the text re-encoded (`count_text(text)`)."""
         if self.stopped_by_string:
             return count_text(self.text)
-        return len(self.token_ids)
+        return self.generated_count

@@ -38,6 +38,7 @@ from server.errors import APIError, ClientDisconnected, engine_error
 from server.metrics import Metrics
 from server.output import ChoiceOutput
 from server.protocol import ChatCompletionRequest, CompletionRequest, DecodingSummary, Usage, new_id
+from server.request_cost import DECODE_STEPS_EXCEEDED
 from server.settings import ServerSettings
 
 log = logging.getLogger("uvicorn.error")
@@ -53,7 +54,8 @@ SCORING_TOO_LARGE = "scoring_too_large"  # echo + logprobs above --max-score-tok
 INVALID_UNICODE = "invalid_unicode"  # a lone surrogate escape in a string (valid JSON, not text)
 UNKNOWN_PROFILE = "unknown_profile"  # decoding.profile names no profile this server loaded
 CROSS_FIELD_CODES = (CONTEXT_LENGTH_EXCEEDED, INVALID_DECODING, TOO_MANY_CHOICES, LOGPROBS_REQUIRED,
-                     CHAT_TEMPLATE_ERROR, EMPTY_PROMPT, SCORING_TOO_LARGE, INVALID_UNICODE, UNKNOWN_PROFILE)
+                     CHAT_TEMPLATE_ERROR, EMPTY_PROMPT, SCORING_TOO_LARGE, INVALID_UNICODE, UNKNOWN_PROFILE,
+                     DECODE_STEPS_EXCEEDED)
 # Knobs an OpenAI/vLLM request field sets, over the decoding object's value
 _OPENAI_KNOBS = ("temperature", "seed", "top_p", "top_k", "min_p", "ignore_eos", "logprobs")
 # How often a request waiting on the engine checks whether its client is still there.
@@ -215,25 +217,23 @@ class ServingBase:
                 choice.finish_unstarted()
             return choices, queue
         loop = asyncio.get_running_loop()
-        choices, submitted = [], []
+        choices, submissions = [], []
+        for p_index, ids in enumerate(prompts):
+            for j in range(n):
+                index = p_index * n + j
+                p = params
+                if params.temperature > 0 and params.seed is not None and j:
+                    p = params.with_overrides(seed=params.seed + j)  # n samples, not n copies
+                request = GenerationRequest(tuple(ids), p, new_id("req"))
+                submissions.append(Submission(request, index, queue, loop, stream=body.stream))
+                choices.append(ChoiceOutput(index, request.request_id, ids, tokenizer, end_ids, stops, max_tokens,
+                                            logprobs=logprobs))
         try:
-            for p_index, ids in enumerate(prompts):
-                for j in range(n):
-                    index = p_index * n + j
-                    p = params
-                    if params.temperature > 0 and params.seed is not None and j:
-                        p = params.with_overrides(seed=params.seed + j)  # n samples, not n copies
-                    request = GenerationRequest(tuple(ids), p, new_id("req"))
-                    self.loop.submit(Submission(request, index, queue, loop, stream=body.stream))
-                    submitted.append(request.request_id)
-                    choices.append(ChoiceOutput(index, request.request_id, ids, tokenizer, end_ids, stops,
-                                                max_tokens, logprobs=logprobs))
+            self.loop.submit(submissions)  # all the choices, or none
         except (QueueFull, RequestError) as err:
-            for request_id in submitted:
-                self.loop.abort(request_id)
-            context = isinstance(err, RequestError) and err.code == CONTEXT_LENGTH_EXCEEDED
-            param = self._context_param(body, max(map(len, prompts)), max_tokens) if context else self.prompt_field
-            raise engine_error(err, param, {"gen_length": "max_tokens", "logprobs": self.logprobs_field},
+            if isinstance(err, RequestError) and err.code == CONTEXT_LENGTH_EXCEEDED:
+                raise engine_error(err, self._context_param(body, max(map(len, prompts)), max_tokens)) from None
+            raise engine_error(err, self.prompt_field, {"gen_length": "max_tokens", "logprobs": self.logprobs_field},
                                retry_after=self.loop.retry_after()) from None
         return choices, queue
 
@@ -345,7 +345,7 @@ class ServingBase:
         def chunk(choice: ChoiceOutput, text: Optional[str], last: bool = False) -> bytes:
             usage = None
             if continuous_usage:  # vLLM's continuous_usage_stats: the tokens so far, in every chunk
-                completion = sum(len(c.token_ids) for c in choices)
+                completion = sum(c.generated_count for c in choices)
                 usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
                               total_tokens=prompt_tokens + completion)
             return sse.event(self.chunk(response_id, created, choice, text, last, usage))

@@ -26,6 +26,7 @@ from server.protocol import (
     Usage,
     now,
 )
+from server.request_cost import check_decode_steps
 from server.serving_base import CHAT_TEMPLATE_ERROR, LOGPROBS_REQUIRED, ServingBase
 
 
@@ -66,6 +67,7 @@ class ChatServing(ServingBase):
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         prompt = chat_ids(self.loop, body.messages, add_generation_prompt=True)
         params = self.params(body, max_tokens or None, len(prompt))  # 0: nothing to decode
+        check_decode_steps(params, body, max_tokens, self.settings.max_decode_steps)
         choices, queue = self._submit_all(body, [prompt], params, max_tokens)
         return await self.serve(body, request, choices, queue)
 

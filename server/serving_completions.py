@@ -21,6 +21,7 @@ from server.protocol import (
     Usage,
     now,
 )
+from server.request_cost import check_decode_steps
 from server.serving_base import ServingBase
 
 
@@ -53,6 +54,7 @@ class CompletionServing(ServingBase):
         self.check_model(body.model)
         prompts = self._prompts(body)
         params = self.params(body, body.max_tokens or None, max(map(len, prompts)))  # 0: nothing to decode
+        check_decode_steps(params, body, body.max_tokens, self.settings.max_decode_steps)
         echoes = await self._echoes(prompts, params, body) if body.echo else None
         choices, queue = self._submit_all(body, prompts, params, body.max_tokens)
         if echoes is not None:

@@ -34,6 +34,8 @@ class ServerSettings:
     port: int = 8000
     max_queue: int = 64  # requests waiting for a row; beyond it: 429
     max_n: int = 16  # completions per request (n x prompts)
+    # the most decode steps one choice may take (server/request_cost.py); None: no cap
+    max_decode_steps: Optional[int] = None
     max_body_bytes: int = 1 << 20
     api_key: Optional[str] = None
     default_decoding: dict[str, Any] = field(default_factory=dict)
@@ -63,6 +65,10 @@ class ServerSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "port" else 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_decode_steps is not None and (isinstance(self.max_decode_steps, bool)
+                                                  or not isinstance(self.max_decode_steps, int)
+                                                  or self.max_decode_steps < 1):
+            raise ValueError(f"max_decode_steps must be a positive integer, got {self.max_decode_steps!r}")
         for name in ("request_timeout", "shutdown_timeout", "stall_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")

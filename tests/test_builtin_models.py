@@ -93,3 +93,16 @@ def test_eval_cli_rejects_unknown_config():
     cmd[-1] = "profile:/nonexistent.json"
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "cannot read decoding profile /nonexistent.json" in run.stderr
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_hugging_face_loads_the_tokenizer_without_asking_to_run_custom_code(name):
+    """Load tools (guidellm, aiperf, ...) read the tokenizer with transformers' Auto classes: a config
+    with an `auto_map` to modeling files that are not shipped makes that ask "[y/N]" on stdin."""
+    assert "auto_map" not in json.loads((MODELS / name / "config.json").read_text())
+    code = ("from transformers import AutoTokenizer; "
+            f"print(len(AutoTokenizer.from_pretrained({str(MODELS / name)!r})))")
+    run = subprocess.run([sys.executable, "-c", code], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "custom code" not in run.stdout + run.stderr and "trust_remote_code" not in run.stdout + run.stderr

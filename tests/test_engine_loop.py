@@ -75,7 +75,7 @@ def test_continuous_batching_respects_max_batch(engine):
     async def run():
         subs = _submissions(10, _params())
         for sub in subs:
-            loop.submit(sub)
+            loop.submit([sub])
         return await _collect(subs)
 
     loop.start()
@@ -95,7 +95,7 @@ def test_abort_frees_the_row_within_a_step(engine):
 
     async def run():
         [sub] = _submissions(1, DecodeParams(policy="fixed", gen_length=256, block_length=64, steps=256))
-        loop.submit(sub)
+        loop.submit([sub])
         while engine.num_running == 0:
             await asyncio.sleep(0.005)
         steps_before = loop.steps
@@ -117,27 +117,30 @@ def test_waiting_queue_is_bounded(engine):
     loop = EngineLoop(engine, max_queue=2, metrics=Metrics("m"), meter=NvmlMeter(lambda: 0))
 
     async def run():
-        subs = _submissions(8, _params())
+        subs = _submissions(10, _params())
         accepted = 0
-        loop.submit(subs[0])
+        loop.submit([subs[0]])
         accepted = 1
         deadline = time.monotonic() + 30  # the engine admits it into a row and its step blocks
         while engine.num_running == 0:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.005)
+        with pytest.raises(QueueFull):  # a request of 6 choices: 3 would fill the free rows, 3 wait
+            loop.submit(subs[1:7])
+        assert loop.num_waiting == 0  # refused as a whole
         with pytest.raises(QueueFull):
             for sub in subs[1:]:
-                loop.submit(sub)
+                loop.submit([sub])
                 accepted += 1
         return accepted
 
     loop.start()
     try:
         accepted = asyncio.run(run())
-        # the first request was admitted and its step is blocked; admission happens between steps,
-        # so the others wait, and the queue holds only max_queue of them
-        assert accepted == 1 + 2
-        assert loop.num_waiting == 2
+        # the first request was admitted and its step is blocked; admission happens between steps:
+        # the next 3 take the free rows at the next step, and max_queue more wait behind them
+        assert accepted == 1 + 3 + 2
+        assert loop.num_waiting == 3 + 2
     finally:
         gate.open.set()
         loop.stop()
@@ -150,7 +153,7 @@ def test_stall_is_visible_while_work_is_pending(engine):
 
     async def run():
         [sub] = _submissions(1, _params())
-        loop.submit(sub)
+        loop.submit([sub])
         deadline = time.monotonic() + 30  # bounded polling: the blocked step shows as time without progress
         while time.monotonic() - loop.last_progress <= 0.3:
             assert time.monotonic() < deadline
@@ -174,8 +177,8 @@ def test_bad_request_becomes_an_error_event_and_the_loop_survives(engine):
         bad = Submission(GenerationRequest((99999,), _params(), "bad"), 0, queue, loop_, False)
         good = Submission(GenerationRequest((1, 2), _params(), "good"), 1, queue, loop_, False)
         with pytest.raises(RequestError) as refused:  # the engine validates at submission
-            loop.submit(bad)
-        loop.submit(good)
+            loop.submit([bad])
+        loop.submit([good])
         return refused.value, await _collect([good])
 
     loop.start()
@@ -194,7 +197,7 @@ def test_streams_receive_growing_prefixes_and_energy_is_attributed(engine):
     async def run():
         subs = _submissions(2, _params(), stream=True)
         for sub in subs:
-            loop.submit(sub)
+            loop.submit([sub])
         progress: list[list[int]] = []
         done = {}
         while len(done) < 2:
@@ -243,13 +246,13 @@ def test_admission_wait_lets_a_closed_loop_client_fill_its_row(engine, wait):
                                                                          steps=64), "long"), 0, queue, aio, False)
         short_row = Submission(GenerationRequest((4, 5, 6), DecodeParams(policy="fixed", gen_length=4, block_length=4,
                                                                           steps=4), "short"), 1, queue, aio, False)
-        loop.submit(long_row)
-        loop.submit(short_row)
+        loop.submit([long_row])
+        loop.submit([short_row])
         while (event := await asyncio.wait_for(queue.get(), 30)).kind != "done" or event.choice != 1:
             pass
         finished_at = loop.steps
         await asyncio.sleep(0.01)
-        loop.submit(Submission(GenerationRequest((7, 8, 9), _params(), "next"), 2, queue, aio, False))
+        loop.submit([Submission(GenerationRequest((7, 8, 9), _params(), "next"), 2, queue, aio, False)])
         while "next" not in admitted_at:
             await asyncio.sleep(0.005)
         loop.abort("long")
@@ -287,8 +290,8 @@ def test_admission_wait_ends_when_the_freed_row_is_filled(engine):
 
     async def arrive_soon() -> float:
         aio = asyncio.get_running_loop()
-        threading.Timer(0.05, lambda: loop.submit(Submission(GenerationRequest((4, 5), _params(), "next"), 0,
-                                                             asyncio.Queue(), aio, False))).start()
+        threading.Timer(0.05, lambda: loop.submit([Submission(GenerationRequest((4, 5), _params(), "next"), 0,
+                                                              asyncio.Queue(), aio, False)])).start()
         start = time.monotonic()
         await asyncio.to_thread(loop._await_arrivals, 1)
         return time.monotonic() - start

@@ -153,8 +153,20 @@ def test_continuous_usage_stats(client):
     chunks = list(client.completions.create(model="llada-tiny", prompt=PROMPT, max_tokens=64, stream=True,
                                             stream_options={"include_usage": True, "continuous_usage_stats": True}))
     counts = [c.usage.completion_tokens for c in chunks if c.choices]
-    assert counts == sorted(counts) and counts[-1] == len(ANSWER)
-    assert chunks[-1].usage.completion_tokens == len(ANSWER) and not chunks[-1].choices
+    assert counts == sorted(counts) and counts[-1] == len(ANSWER) + 1  # the end token counts
+    assert chunks[-1].usage.completion_tokens == len(ANSWER) + 1 and not chunks[-1].choices
+
+
+def test_completion_tokens_count_the_end_token_as_the_logprobs_do(client):
+    for stream in (False, True):
+        out = client.completions.create(model="llada-tiny", prompt=PROMPT, max_tokens=128, logprobs=1, stream=stream,
+                                        **({"stream_options": {"include_usage": True}} if stream else {}))
+        chunks = list(out) if stream else [out]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        usage = chunks[-1].usage
+        assert text == ANSWER and tokens[-1] == "<|end|>"
+        assert usage.completion_tokens == len(tokens) == len(ANSWER) + 1
 
 
 def test_tokenize_detokenize_tokenizer_info_and_model_retrieve(client, server):

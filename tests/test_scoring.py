@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from engine import Engine, RequestError
-from engine.scoring import prompt_logprobs, scoring_cost, split_estimates
+from engine.decoding import DecodeParams
+from engine.scoring import ScoringJob, prompt_logprobs, scoring_cost, split_estimates
 
 
 def exact_elbo(model, ids: list[int], split: int) -> float:
@@ -72,3 +73,23 @@ def test_short_prompts_and_the_cost_limit(llada_model):
     assert err.value.param == "score_samples" and err.value.code == "scoring_too_large"
     with pytest.raises(RequestError):
         engine.score([10 ** 6, 3], samples=2)
+
+
+def test_a_job_in_chunks_between_decode_steps_gives_the_numbers_of_one_call(llada_model):
+    ids = [5, 9, 13, 7, 21, 3, 11, 2, 17, 4, 8, 30]
+    chunk = 3 * len(ids)  # three rows a forward: many chunks
+    engine = Engine.from_model(llada_model)
+    engine.add_request([1, 2, 3], DecodeParams(gen_length=16, block_length=8))
+    job = ScoringJob(llada_model, ids, samples=6, seed=4, chunk_tokens=chunk)
+    assert job.total_tokens == scoring_cost(len(ids), 6)
+    fed = chunks = 0
+    while not job.done:
+        fed += job.advance()
+        chunks += 1
+        engine.step()  # the model decodes other rows between the chunks, as in the server
+    assert chunks == math.ceil((len(ids) - 1) * 6 / 3) and fed == job.total_tokens and job.advance() == 0
+    at_once = prompt_logprobs(llada_model, ids, samples=6, seed=4, max_forward_tokens=chunk)
+    assert job.logprobs() == at_once  # the same forwards, whenever they run: the same numbers, exactly
+    # Engine.score runs the same job back to back with the engine's chunk size
+    assert engine.score(ids, 6, seed=4) == prompt_logprobs(llada_model, ids, samples=6, seed=4,
+                                                           max_forward_tokens=engine.config.score_chunk_tokens)

@@ -129,6 +129,17 @@ def test_choice_output_cuts_at_the_end_token_and_at_a_stop_string_across_deltas(
     ended = ChoiceOutput(1, "s", [1], _CharTokenizer(), end_ids={25}, stops=[])
     ended.add([0, 1, 25, 2])  # nothing after the end token counts
     assert ended.text == "ab" and ended.take() == "ab" and ended.token_ids == [0, 1]
+    ended.finish(None)
+    assert ended.completion_tokens(len) == 3  # the end token counts, as in vLLM
+
+    at_once = ChoiceOutput(2, "t", [1], _CharTokenizer(), end_ids={25}, stops=[], max_tokens=4)
+    at_once.add([25])
+    at_once.finish(None)
+    assert at_once.text == "" and at_once.completion_tokens(len) == 1
+    cut = ChoiceOutput(3, "u", [1], _CharTokenizer(), end_ids={25}, stops=[], max_tokens=2)
+    cut.add([0, 1, 25])  # the end token would be the third token: cut at max_tokens, never generated
+    cut.finish(None)
+    assert cut.finish_reason == "length" and cut.completion_tokens(len) == 2
 
 
 def test_incremental_detokenizer_equals_a_whole_decode(fixtures):

@@ -16,13 +16,11 @@ from engine.models.weight_names import expected_weights
 def llada_config(d_model: int, n_layers: int, n_heads: int, mlp_hidden: int, vocab_size: int,
                  embedding_size: int, mask_id: int, eos_id: int, max_len: int = 4096,
                  rope_theta: float = 500000.0) -> dict[str, Any]:
-    """Every field of the released LLaDA-8B-Instruct config.json, with these sizes and ids."""
+    """Every field of the released LLaDA-8B-Instruct config.json, with these sizes and ids, but `auto_map`:
+    it names modeling files we do not ship, so every Hugging Face load would ask to run missing code."""
     return {
         "activation_type": "silu", "alibi": False, "alibi_bias_max": 8.0, "architectures": ["LLaDAModelLM"],
         "attention_dropout": 0.0, "attention_layer_norm": False, "attention_layer_norm_with_affine": True,
-        "auto_map": {"AutoConfig": "configuration_llada.LLaDAConfig",
-                     "AutoModel": "modeling_llada.LLaDAModelLM",
-                     "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM"},
         "bias_for_layer_norm": False, "block_group_size": 1, "block_type": "llama", "d_model": d_model,
         "embedding_dropout": 0.0, "embedding_size": embedding_size, "eos_token_id": eos_id,
         "flash_attention": False, "include_bias": False, "include_qkv_bias": False, "init_cutoff_factor": None,
@@ -38,10 +36,10 @@ def llada_config(d_model: int, n_layers: int, n_heads: int, mlp_hidden: int, voc
 
 def dream_config(hidden: int, n_layers: int, n_heads: int, n_kv_heads: int, intermediate: int, vocab_size: int,
                  mask_id: int, eos_id: int, max_len: int = 4096, rope_theta: float = 1000000.0) -> dict[str, Any]:
-    """Every field of the released Dream-v0-Instruct-7B config.json, with these sizes and ids."""
+    """Every field of the released Dream-v0-Instruct-7B config.json, with these sizes and ids, but `auto_map`
+    (see `llada_config`)."""
     return {
         "architectures": ["DreamModel"], "attention_dropout": 0.0,
-        "auto_map": {"AutoConfig": "configuration_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel"},
         "bos_token_id": eos_id, "eos_token_id": eos_id, "hidden_act": "silu", "hidden_size": hidden,
         "initializer_range": 0.02, "intermediate_size": intermediate, "mask_token_id": mask_id,
         "max_position_embeddings": max_len, "max_window_layers": n_layers, "model_type": "Dream",

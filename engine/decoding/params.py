@@ -132,6 +132,13 @@ class DecodeParams:
         return self.steps if self.steps is not None else self.gen_length
 
     @property
+    def max_steps(self) -> int:
+        """The most denoising steps a row can take: `steps`, since every policy but `threshold` commits
+        what is left at a block's last step; `threshold` commits at least one token a step, so one
+        step per canvas token."""
+        return self.gen_length if self.policy == "threshold" else self.total_steps
+
+    @property
     def steps_per_block(self) -> int:
         return self.total_steps // self.num_blocks
 

@@ -9,6 +9,12 @@ from typing import Any, Optional
 from server.cli.args import add_setting, engine_flag_options, exit_now, json_list
 
 
+def _cpus() -> int:
+    from engine.cpus import available_cpus
+
+    return available_cpus()
+
+
 def add_parser(sub: Any) -> None:
     from server.settings import LOG_LEVELS
 
@@ -25,15 +31,25 @@ def add_parser(sub: Any) -> None:
                  help="FlashAttention kernels", unset="when installed and usable")
     add_setting(engine, "max_logprobs", type=int, help="most top logprobs a request may ask for per token")
     add_setting(engine, "max_score_tokens", type=int,
-                 help="most tokens one likelihood-scoring request (echo + logprobs) may feed the model")
+                help="most tokens one likelihood-scoring request (echo + logprobs) may feed the model; the "
+                     "default is what the bundled model scores within the 60 s --stall-timeout on a 2-core CPU "
+                     "(about 40 s at the 13 k tokens/s of bench/scoring_chunks.py)")
+    add_setting(engine, "score_chunk_tokens", type=int,
+                help="most tokens one scoring forward feeds the model; a scoring request runs as such chunks "
+                     "between decode steps, so a step waits on one at most")
+    add_setting(engine, "threads", type=int, help="torch CPU threads (intra-op pool); see docs/operations.md",
+                unset=f"the CPUs this process may use, by affinity and cgroup quota: {_cpus()} here")
     add_setting(engine, "cuda_graphs", action=argparse.BooleanOptionalAction,
                  help="run the dual-cache step as CUDA graphs, one per batch bucket (CUDA only)")
     sv = serve.add_argument_group("server")
     add_setting(sv, "served_model_name", help="the model id clients send", unset="the directory name")
     add_setting(sv, "host", help="address to listen on")
     add_setting(sv, "port", type=int, help="port to listen on")
-    add_setting(sv, "max_queue", type=int, help="requests waiting for a row before 429")
+    add_setting(sv, "max_queue", type=int, help="requests waiting for a row (after the free rows are filled) "
+                                                "before 429")
     add_setting(sv, "max_n", type=int, help="completions per request, n x prompts")
+    add_setting(sv, "max_decode_steps", type=int, help="most decode steps one choice may take (its decoding.steps, "
+                "by default one per canvas token); a request over it gets a 400", unset="no cap")
     add_setting(sv, "api_key", help="require 'Authorization: Bearer KEY' on /v1 routes", unset="no key")
     add_setting(sv, "default_decoding", help="JSON object of default decoding knobs, e.g. "
                  "'{\"cache\": \"dual\"}'", unset="the model's defaults")
