@@ -97,7 +97,6 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--admission-wait-ms", type=float, help="passed to the server (default: its own)")
     parser.add_argument("--repeats", type=int, default=5, help="alternating offline / 8-client runs")
     parser.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp",
                         help="the load generator's HTTP client")
@@ -113,9 +112,8 @@ def main() -> None:
 
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", args.model, "--port", str(port),
-                               "--max-batch", "8", "--device", args.device, "--log-level", "warning",
-                               *(["--admission-wait-ms", str(args.admission_wait_ms)]
-                                 if args.admission_wait_ms is not None else [])], cwd=REPO, env=dict(os.environ))
+                               "--max-batch", "8", "--device", args.device, "--log-level", "warning"],
+                              cwd=REPO, env=dict(os.environ))
     base = f"http://127.0.0.1:{port}"
     offline_runs: list[Run] = []
     server_runs: dict[int, list[Run]] = {1: [], 8: []}
@@ -135,7 +133,6 @@ def main() -> None:
         server.wait(60)
 
     print(f"# {args.n} held-out chat requests, max_tokens {args.max_tokens}, decoding {decoding}, "
-          f"server admission wait {args.admission_wait_ms if args.admission_wait_ms is not None else 'default'} ms, "
           f"client {args.client}; "
           f"median of {args.repeats} alternating offline / 8-client runs")
     print(f"# {hardware()}, torch {torch.__version__}, model {args.model}")

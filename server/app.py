@@ -93,8 +93,7 @@ class AppState:
         settings = self.settings
         log.info("loading %s on %s (%s)", settings.model, settings.device, settings.dtype)
         try:
-            loop = EngineLoop(factory(self.settings), self.settings.max_queue, self.metrics, self.meter,
-                              admission_wait=self.settings.admission_wait_ms / 1000)
+            loop = EngineLoop(factory(self.settings), self.settings.max_queue, self.metrics, self.meter)
             template = self.settings.chat_template_text()
             if template is not None:
                 loop.set_chat_template(template)

@@ -9,10 +9,6 @@ submissions they belong to: one callback per event loop per step (`call_soon_thr
 every event of that step. A streamed request gets every non-empty delta; a whole one collects its
 deltas here and gets them with its result, so it wakes once. Likelihood-scoring requests run on
 the same thread, one bounded chunk between two steps (server/scoring_jobs.py).
-
-After a step that frees rows nobody is waiting for, the loop may hold the next step a few
-milliseconds for the requests about to fill them (server/admission.py: bounded by the freed rows'
-share of a step and by `admission_wait`, and only while recent refills came that soon).
 """
 
 from __future__ import annotations
@@ -29,7 +25,6 @@ from typing import Any, Optional
 from engine import Engine, GenerationRequest, GenerationResult, StepOutput
 from engine.decoding.types import TokenLogprob
 from engine.scoring import ScoringJob
-from server.admission import RefillTracker, admission_limit
 from server.energy import EnergyMeter, share_energy
 from server.errors import QueueFull
 from server.metrics import Metrics
@@ -77,11 +72,9 @@ def _deliver(events: Sequence[tuple[asyncio.Queue, Event]]) -> None:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, max_queue: int, metrics: Metrics, meter: EnergyMeter,
-                 admission_wait: float = 0.0) -> None:
+    def __init__(self, engine: Engine, max_queue: int, metrics: Metrics, meter: EnergyMeter) -> None:
         self.engine = engine
         self.max_queue = max_queue
-        self.admission_wait = admission_wait
         self.metrics = metrics
         self.meter = meter
         self._active: dict[str, Submission] = {}
@@ -90,8 +83,6 @@ class EngineLoop:
         self._stop = threading.Event()
         self.last_progress = time.monotonic()
         self.steps = 0
-        self.step_seconds = 0.0  # moving average of a step's duration, for the admission wait
-        self._refills = RefillTracker(horizon=2 * admission_wait)
         self._scoring = ScoringQueue(metrics)
         self._finish_times: deque[float] = deque(maxlen=_RATE_WINDOW)  # when the last requests finished
         self._thread = threading.Thread(target=self._run, name="cai-dllm-engine", daemon=True)
@@ -193,10 +184,6 @@ class EngineLoop:
                     self._active.pop(request_id, None)
                     self.engine.abort(request_id)
                 raise
-        if self.admission_wait > 0:
-            now = time.monotonic()
-            for _ in submissions:
-                self._refills.request_arrived(now)
         self._update_gauges()
         self._wake.set()
 
@@ -238,11 +225,9 @@ class EngineLoop:
     # ------------------------------------------------------------------ the engine thread
 
     def _run(self) -> None:
-        freed = 0
         while not self._stop.is_set():
             if self._scoring.advance():  # a chunk of scoring is progress too (/health)
                 self.last_progress = time.monotonic()
-            self._await_arrivals(freed)
             if not self.engine.has_unfinished():
                 if len(self._scoring):
                     continue
@@ -251,7 +236,7 @@ class EngineLoop:
                 self._wake.clear()
                 continue
             try:
-                freed = self._step()
+                self._step()
             except Exception as err:  # a bug of ours: fail the rows in flight, keep serving
                 self._fail_all(f"internal error in the engine: {err!r}")
 
@@ -273,27 +258,6 @@ class EngineLoop:
         for sub in failed:
             sub.post(Event("error", sub.choice, message=message))
 
-    def _await_arrivals(self, freed: int) -> None:
-        active = self.engine.num_running
-        if freed == 0 or self.admission_wait <= 0 or active == 0:
-            return
-        wanted = min(freed, self.engine.max_batch - active)
-        unfilled = wanted - self.engine.num_waiting
-        if unfilled <= 0:
-            return
-        now = time.monotonic()
-        self._refills.rows_freed(unfilled, now)
-        limit = admission_limit(self.admission_wait, self.step_seconds, active, wanted)
-        if self._refills.expected_refill(now) > limit:
-            return
-        deadline = now + limit
-        while not self._stop.is_set() and self.engine.num_waiting < wanted:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            self._wake.wait(remaining)
-            self._wake.clear()
-
     def _update_gauges(self) -> None:
         m = self.metrics
         m.labels(m.waiting).set(self.engine.num_waiting)
@@ -303,11 +267,8 @@ class EngineLoop:
         """One engine step; returns how many rows it finished."""
         m = self.metrics
         before = self.meter.read_joules()
-        started = time.monotonic()
         outputs = self.engine.step()
-        took = time.monotonic() - started
         after = self.meter.read_joules()
-        self.step_seconds = took if self.steps == 0 else 0.8 * self.step_seconds + 0.2 * took
         self.steps += 1
         self.last_progress = time.monotonic()
         if outputs:

@@ -42,10 +42,6 @@ class ServerSettings:
     request_timeout: float = 600.0
     shutdown_timeout: float = 30.0
     stall_timeout: float = 60.0  # /health fails when work is pending and no step finished for this long
-    # the longest the next step is held, after a step frees rows, for the requests that will fill
-    # them; within it the wait adapts to the step time and to how soon freed rows were refilled
-    # lately (server/admission.py), so open-loop load does not wait; 0 turns it off
-    admission_wait_ms: float = 5.0
     log_level: str = "info"
     # origins allowed to call the API from a browser (CORS); empty: no CORS headers at all. vLLM
     # allows every origin by default; here a browser origin must be named (or "*")
@@ -72,8 +68,6 @@ class ServerSettings:
         for name in ("request_timeout", "shutdown_timeout", "stall_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
-        if self.admission_wait_ms < 0:
-            raise ValueError(f"admission_wait_ms must be >= 0, got {self.admission_wait_ms!r}")
         if not isinstance(self.allowed_origins, list) or not all(isinstance(o, str) for o in self.allowed_origins):
             raise ValueError("allowed_origins must be a JSON list of strings, e.g. [\"http://localhost:3000\"]")
         if not isinstance(self.decoding_profiles, list) or not all(isinstance(p, str) for p in self.decoding_profiles):

@@ -56,9 +56,6 @@ def add_parser(sub: Any) -> None:
     add_setting(sv, "request_timeout", type=float, help="seconds")
     add_setting(sv, "shutdown_timeout", type=float, help="seconds to finish in-flight work on SIGTERM")
     add_setting(sv, "stall_timeout", type=float, help="/health fails after this many seconds without progress")
-    add_setting(sv, "admission_wait_ms", type=float,
-                 help="after a step frees rows, hold the next step at most this long for the requests "
-                      "that will fill them, when recent refills came that soon (0: never wait)")
     add_setting(sv, "log_level", choices=LOG_LEVELS, help="uvicorn's log level")
     add_setting(sv, "allowed_origins", type=json_list,
                  help='JSON list of origins allowed to call the API from a browser (CORS), e.g. \'["*"]\'',
