@@ -29,7 +29,10 @@ def _step_fields(request: Request) -> tuple[int, ...]:
     first_only = request.params.commit_first_at_block_start and request.step == 0
     return (request.slot, request.step, request.block, request.block_start, request.rank_quota(), int(first_only),
             request.block_length, request.length, request.prompt_len,
-            request.block * request.steps_per_block + request.step, request.cached,
+            # (a store pass past a row's last block reads the last step's entry, never used)
+            min(request.block * request.steps_per_block + request.step,
+                request.num_blocks * request.steps_per_block - 1),
+            request.cached,
             int(request.forward_kind() != FORWARD_STORE))
 
 
