@@ -501,7 +501,7 @@ class Serving:
                 self.engine.check_score(ids, params.score_samples)
                 scores = await self.loop.run_job(partial(self.engine.score, ids, params.score_samples, body.seed or 0))
             except RequestError as err:
-                param = "decoding.score_samples" if err.param == "score_samples" else "prompt"
+                param = {"score_samples": "decoding.score_samples", "echo": "echo"}.get(err.param, "prompt")
                 raise APIError(400, str(err), param=param, code=err.code) from None
             except ShuttingDown as err:
                 raise APIError(503, str(err), code="shutting_down") from None
