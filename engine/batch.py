@@ -15,19 +15,25 @@ from typing import Optional
 
 import torch
 
-from engine.request import Request
+from engine.request import FORWARD_STORE, Request
 
 # Per-row values sent to the device each step. schedule_step: the row's step counted from its first
 # block's first step, where it reads its tabulated theta_b(t) (decoding.state.DecodeTables).
+# cache_start: a block-diffusion row's cached length (its exact cache holds [0, cache_start)); commits:
+# 0 at its store pass, a forward that writes a finished block into the cache and commits nothing.
 STEP_FIELDS = ("slot", "step", "block", "block_start", "quota", "commit_first_only", "block_length", "length",
-               "prompt_len", "schedule_step")
+               "prompt_len", "schedule_step", "cache_start", "commits")
 
 
 def _step_fields(request: Request) -> tuple[int, ...]:
     first_only = request.params.commit_first_at_block_start and request.step == 0
     return (request.slot, request.step, request.block, request.block_start, request.rank_quota(), int(first_only),
             request.block_length, request.length, request.prompt_len,
-            request.block * request.steps_per_block + request.step)
+            # (a store pass past a row's last block reads the last step's entry, never used)
+            min(request.block * request.steps_per_block + request.step,
+                request.num_blocks * request.steps_per_block - 1),
+            request.cached,
+            int(request.forward_kind() != FORWARD_STORE))
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,8 @@ class Batch:
     length: torch.Tensor  # prompt + canvas
     prompt_len: torch.Tensor
     schedule_step: torch.Tensor
+    cache_start: torch.Tensor
+    commits: torch.Tensor
     # host facts of the rows
     width: int  # the widest block
     policies: frozenset[str]

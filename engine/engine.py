@@ -34,6 +34,7 @@ from engine.errors import CheckpointError, RequestError
 from engine.loading.tokenizer import encode_text, load_tokenizer
 from engine.loading.weights import load_model
 from engine.model_runner import ModelRunner
+from engine.models.block_transformer import BlockDiffusionTransformer
 from engine.models.transformer import DiffusionTransformer
 from engine.request import Request, StepOutput
 from engine.scheduler import Scheduler
@@ -74,6 +75,8 @@ class Engine:
                                  model.config.max_position_embeddings)
         self._end_ids = torch.tensor(model.special.end_ids, device=model.device)
         self._end_set = frozenset(model.special.end_ids)
+        # block diffusion (SDAR, LLaDA2): the block-causal mode (engine.block_runner, docs/decoding.md)
+        self.block_causal = isinstance(model, BlockDiffusionTransformer)
         self._ids = itertools.count()
         self.reset()
 
@@ -90,7 +93,11 @@ class Engine:
 
     def default_params(self, params: Optional[DecodeParams] = None) -> DecodeParams:
         """`params` (or the defaults) with this model's defaults filled in."""
-        return resolve_defaults(params or DecodeParams(), self.architecture)
+        params = params or DecodeParams()
+        trained = getattr(self.model, "block_size", None)
+        if self.block_causal and params.block_length is None and trained and params.gen_length % trained == 0:
+            params = params.with_overrides(block_length=trained)  # the block the checkpoint was trained with
+        return resolve_defaults(params, self.architecture)
 
     # ------------------------------------------------------------------ the step API
 
@@ -117,12 +124,34 @@ class Engine:
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise RequestError(f"at most {self.config.max_logprobs} top logprobs per token can be returned "
                                f"(--max-logprobs), got {params.logprobs}", param="logprobs", code="invalid_decoding")
+        params = self.default_params(params)
+        self._check_mode(params)
         total = len(prompt_ids) + params.gen_length
+        if self.block_causal:  # the canvas ends on a block boundary
+            block = params.effective_block_length
+            total = -(-total // block) * block
         if total > self.max_model_len:
             raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
                                f"has {len(prompt_ids)} and the generation canvas {params.gen_length} "
                                f"({total} in all)", param="gen_length", code="context_length_exceeded")
-        return resolve_defaults(params, self.architecture)
+        return params
+
+    def _check_mode(self, params: DecodeParams) -> None:
+        """RequestError for a knob that this model's decoding mode does not have."""
+        if not self.block_causal:
+            if params.store_pass:
+                raise RequestError("store_pass applies to block-diffusion models only", param="store_pass",
+                                   code="invalid_decoding")
+            return
+        unsupported = {"cache": params.cache != "none", "refresh_interval": params.refresh_interval > 0,
+                       "cfg_scale": params.cfg_scale > 0,
+                       "commit_first_at_block_start": params.commit_first_at_block_start,
+                       "policy": params.policy.startswith("dream-")}
+        for name, bad in unsupported.items():
+            if bad:
+                raise RequestError(f"{name}={getattr(params, name)!r} is not available for block-diffusion models "
+                                   f"({self.model.display_name}): they always decode against their exact block "
+                                   f"cache (docs/decoding.md)", param=name, code="invalid_decoding")
 
     def add_request(self, prompt_ids: Sequence[int], params: Optional[DecodeParams] = None,
                     request_id: Optional[str] = None, queued_at: Optional[float] = None) -> str:
@@ -131,7 +160,7 @@ class Engine:
         resolved = self.validate(ids, params or DecodeParams())
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(request_id, ids, resolved, self.model.special.mask_id, self._end_set,
-                          queued_at if queued_at is not None else time.perf_counter())
+                          queued_at if queued_at is not None else time.perf_counter(), block_causal=self.block_causal)
         self.scheduler.add(request)
         return request_id
 
@@ -169,6 +198,11 @@ class Engine:
 
     def check_score(self, prompt_ids: Sequence[int], samples: int) -> None:
         """RequestError unless scoring this prompt fits the model's context and `max_score_tokens`."""
+        if self.block_causal:
+            raise RequestError(f"likelihood scoring (echo with logprobs) is not available for block-diffusion "
+                               f"models ({self.model.display_name}): engine.scoring's estimator is LLaDA's, for "
+                               f"full-attention masked diffusion; generate without echo instead", param="echo",
+                               code="scoring_unsupported")
         self.check_prompt(prompt_ids)
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
             raise RequestError(f"score_samples must be an integer >= 1, got {samples!r}", param="score_samples")

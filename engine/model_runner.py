@@ -20,11 +20,12 @@ from typing import Optional
 
 import torch
 
+from engine import block_runner
 from engine.batch import Batch
 from engine.dual_graphs import DualStepGraphs
 from engine.models.kv_cache import CacheWrite, KVStore
 from engine.models.transformer import DiffusionTransformer
-from engine.request import FORWARD_DUAL, FORWARD_FULL, FORWARD_PREFIX, Request
+from engine.request import FORWARD_BLOCK, FORWARD_DUAL, FORWARD_FULL, FORWARD_PREFIX, FORWARD_STORE, Request
 from engine.slots import Slots
 
 
@@ -53,19 +54,20 @@ class _Rows:
     block_length: torch.Tensor
     length: torch.Tensor
     prompt_len: torch.Tensor
+    cache_start: torch.Tensor
     slot_range: Optional[slice]
 
     @classmethod
     def of(cls, batch: Batch, index: Optional[list[int]] = None) -> _Rows:
         if index is None:
             return cls(batch.requests, batch.slots, batch.block_start, batch.block_length, batch.length,
-                       batch.prompt_len, batch.slot_range)
+                       batch.prompt_len, batch.cache_start, batch.slot_range)
         rows = torch.tensor(index).to(batch.slots.device, non_blocking=True)
         requests = [batch.requests[b] for b in index]
         first = requests[0].slot
         consecutive = all(r.slot == first + k for k, r in enumerate(requests))
         return cls(requests, batch.slots[rows], batch.block_start[rows], batch.block_length[rows],
-                   batch.length[rows], batch.prompt_len[rows],
+                   batch.length[rows], batch.prompt_len[rows], batch.cache_start[rows],
                    slice(first, first + len(requests)) if consecutive else None)
 
 
@@ -89,9 +91,10 @@ class ModelRunner:
         positions = batch.block_start[:, None] + p
         in_block = p[None, :] < batch.block_length[:, None]
         block_tokens = self.slots.canvas[batch.slots[:, None], positions]
-        by_kind: dict[str, list[int]] = {}
+        by_kind: dict[tuple, list[int]] = {}
         for b, request in enumerate(batch.requests):
-            by_kind.setdefault(request.forward_kind(), []).append(b)
+            by_kind.setdefault(block_runner.group(request) if request.block_causal else (request.forward_kind(),),
+                               []).append(b)
         fed = [self._fed_tokens(r, r.forward_kind()) for r in batch.requests]
         if len(by_kind) == 1:
             [kind] = by_kind
@@ -113,15 +116,21 @@ class ModelRunner:
         self.slots.canvas[batch.slots[:, None], out.positions] = new_tokens
 
     def _fed_tokens(self, request: Request, kind: str) -> int:
+        if request.block_causal:
+            return block_runner.fed_length(request)
         if kind == FORWARD_FULL:
             return request.length * (2 if request.params.cfg_scale > 0 else 1)
         if kind == FORWARD_DUAL:
             return request.block_length + self.shift
         return request.length - request.block_start + self.shift
 
-    def _prepare(self, kind: str, rows: _Rows, in_block: torch.Tensor, positions: torch.Tensor,
+    def _prepare(self, key: tuple, rows: _Rows, in_block: torch.Tensor, positions: torch.Tensor,
                  width: int) -> Callable[[], torch.Tensor]:
-        """The rows' forward of `kind` with its inputs built: called, it runs and returns the logits."""
+        """The rows' forward of kind `key[0]` with its inputs built: called, it runs and returns the logits."""
+        kind = key[0]
+        if kind in (FORWARD_BLOCK, FORWARD_STORE):
+            return block_runner.prepare_block_forward(self.model, self.slots.canvas, self.slots.store, rows.requests,
+                                                      rows.slots, rows.cache_start, width)
         if kind == FORWARD_FULL:
             return self._prepare_full(rows, in_block, positions, width)
         return self._prepare_cached(rows, in_block, width, through_end=kind == FORWARD_PREFIX)

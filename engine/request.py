@@ -15,11 +15,14 @@ from typing import Optional
 
 import torch
 
-from engine.decoding.params import DecodeParams
+from engine.decoding.params import BLOCK_SCHEDULE_POLICIES, DecodeParams
 from engine.decoding.policies import dream_quota, dream_transfer_fractions, fixed_quota
 from engine.decoding.types import GenerationResult, RequestStats, TokenLogprob
 
 FORWARD_FULL, FORWARD_DUAL, FORWARD_PREFIX = "full", "dual", "prefix"
+# Block-diffusion rows (`block_causal`): a denoising forward of the row's block against its exact
+# cache (the clean tokens not yet cached ride along in front of it), or SDAR's store pass.
+FORWARD_BLOCK, FORWARD_STORE = "block", "store"
 
 
 @dataclass(frozen=True)
@@ -54,15 +57,28 @@ class Request:
     """Host state of one request, from `Engine.add_request` until it finishes or is aborted."""
 
     def __init__(self, request_id: str, prompt_ids: Sequence[int], params: DecodeParams, mask_id: int,
-                 end_ids: frozenset[int], queued_at: float) -> None:
+                 end_ids: frozenset[int], queued_at: float, block_causal: bool = False) -> None:
         self.request_id = request_id
         self.prompt_ids = tuple(prompt_ids)
         self.params = params  # resolved: no None left where the model decides
         self.prompt_len = len(self.prompt_ids)
         self.gen_length = params.gen_length
-        self.length = self.prompt_len + self.gen_length
         self.block_length = params.effective_block_length
-        self.num_blocks = params.num_blocks
+        # A block-diffusion row's blocks count from position 0 (as the model's): its first decoded
+        # block starts at `origin` and holds the prompt's tail; its canvas ends at the block boundary
+        # past prompt + gen_length, as the official decoders round it. Elsewhere origin = prompt_len.
+        self.block_causal = block_causal
+        if block_causal:
+            width = self.block_length
+            self.origin = self.prompt_len // width * width
+            self.length = -(-(self.prompt_len + self.gen_length) // width) * width
+            self.num_blocks = (self.length - self.origin) // width
+        else:
+            self.origin = self.prompt_len
+            self.length = self.prompt_len + self.gen_length
+            self.num_blocks = params.num_blocks
+        self.tail = self.prompt_len - self.origin  # prompt tokens inside the first decoded block
+        self.cached = 0  # block-diffusion rows: the exact cache holds positions [0, cached)
         self.steps_per_block = params.steps_per_block
         self.policy = params.policy
         self.mask_id = mask_id
@@ -73,13 +89,14 @@ class Request:
         self.slot = -1
         self.block = 0
         self.step = 0
-        self.masked_now = self.block_length  # masks left in the current block
-        self.masked_at_block_start = self.block_length
-        self.generated = [mask_id] * self.gen_length  # host mirror of the canvas after the prompt
-        # each generated position's logprobs, written at the step that commits it (when asked for)
+        self.masked_now = self.block_length - self.tail  # masks left in the current block
+        self.masked_at_block_start = self.masked_now
+        # host mirror of the canvas from `origin` (the prompt's tail, then the generation)
+        self.generated = list(self.prompt_ids[self.origin:]) + [mask_id] * (self.length - self.prompt_len)
+        # each position's logprobs, written at the step that commits it (when asked for)
         self.logprobs: Optional[list[Optional[TokenLogprob]]] = (
-            [None] * self.gen_length if params.logprobs is not None else None)
-        self.emitted = 0  # generated tokens already reported in a StepOutput
+            [None] * len(self.generated) if params.logprobs is not None else None)
+        self.emitted = self.tail  # positions of `generated` already reported in a StepOutput
         self.end_emitted = False
         self.generator: Optional[torch.Generator] = None
         self.started = 0.0
@@ -101,16 +118,20 @@ class Request:
     @property
     def block_start(self) -> int:
         """Canvas index of the current block's first token."""
-        return self.prompt_len + self.block * self.block_length
+        return self.origin + self.block * self.block_length
 
     def forward_kind(self) -> str:
         p = self.params
+        if self.block_causal:
+            return FORWARD_STORE if p.store_pass and self.cached < self.block_start else FORWARD_BLOCK
         if p.cache == "none" or self.step == 0 or (p.refresh_interval and self.step % p.refresh_interval == 0):
             return FORWARD_FULL
         return FORWARD_DUAL if p.cache == "dual" else FORWARD_PREFIX
 
     def rank_quota(self) -> int:
         """Tokens the rank policies (LLaDA's fixed schedule, Dream's) commit this step."""
+        if self.policy in BLOCK_SCHEDULE_POLICIES:  # the official block decoders: from the block length
+            return fixed_quota(self.block_length, self.steps_per_block, self.step)
         if self.dream_fractions is None:
             return fixed_quota(self.masked_at_block_start, self.steps_per_block, self.step)
         return dream_quota(self.masked_now, self.dream_fractions[min(self.step, self.steps_per_block - 1)],
@@ -132,6 +153,7 @@ class Request:
         logprobs = () if self.logprobs is None else tuple(self.logprobs[start:start + len(new)])
         return tuple(new), logprobs  # type: ignore[return-value]
 
-    def first_end(self) -> Optional[int]:
-        return next((i for i, t in enumerate(self.generated) if t in self.end_ids), None)
+    def first_end(self, stop: Optional[int] = None) -> Optional[int]:
+        """Index in the response (generated[tail:stop]) of its first end token."""
+        return next((i for i, t in enumerate(self.generated[self.tail:stop]) if t in self.end_ids), None)
 

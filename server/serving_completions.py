@@ -98,7 +98,7 @@ class CompletionServing(ServingBase):
             try:
                 scores = await self.loop.score(ids, params.score_samples, body.seed or 0)
             except (RequestError, ShuttingDown, QueueFull) as err:
-                raise engine_error(err, "prompt", {"score_samples": "decoding.score_samples"},
+                raise engine_error(err, "prompt", {"score_samples": "decoding.score_samples", "echo": "echo"},
                                    retry_after=self.loop.retry_after()) from None
             values = [None if v is None else TokenLogprob(t, v) for t, v in zip(ids, scores, strict=True)]
             echoes.append(Echo(text, logged_tokens(tokenizer, ids, values)))

@@ -58,6 +58,65 @@ def test_one_host_read_per_step_whatever_the_batch(llada_model, dream_model, cac
         assert steps > 1
 
 
+BLOCK_POLICIES = ["block-dynamic", "block-sequential", "block-static", "cai", "fixed", "threshold"]
+
+
+def _block_checkpoints(fixtures, tmp_path) -> list[Path]:
+    """The block fixtures' checkpoints; a config without a mask id (LLaDA2's: `generate()` takes it
+    as an argument) gets the one its golden runs use, and its pad id as eos."""
+    import json
+
+    found = []
+    for config_file in sorted(fixtures.glob("block/*/*/config.json")):
+        config = json.loads(config_file.read_text())
+        if "mask_token_id" not in config:
+            golden = sorted(config_file.parents[1].glob("golden/*.json"))
+            config.update(mask_token_id=json.loads(golden[0].read_text())["settings"]["mask_id"],
+                          eos_token_id=config["pad_token_id"])
+            dest = tmp_path / config_file.parent.name
+            dest.mkdir()
+            (dest / "config.json").write_text(json.dumps(config))
+            for weights in config_file.parent.glob("*.safetensors"):
+                (dest / weights.name).symlink_to(weights)
+            found.append(dest)
+        else:
+            found.append(config_file.parent)
+    return found
+
+
+def test_one_host_read_per_step_on_block_diffusion_models(fixtures, tmp_path, monkeypatch):
+    """Rows at different blocks, block sizes, prompt tails, store passes and policies share steps
+    with one host read a step, not counting the reads inside a forward (LLaDA2's plain MoE kernel
+    reads its experts' token counts: a model-internal sync, see engine/models/moe.py)."""
+    for checkpoint in _block_checkpoints(fixtures, tmp_path):
+        model = load_model(checkpoint)
+        current: dict = {"internal": 0}
+        original = model._run
+
+        def run(*args, original=original, current=current, **kwargs):
+            before = current["reads"].count
+            out = original(*args, **kwargs)
+            current["internal"] += current["reads"].count - before
+            return out
+
+        monkeypatch.setattr(model, "_run", run)
+        engine = Engine.from_model(model, max_batch=4)
+        for i in range(9):  # more than a batch: rows join while others run
+            params = DecodeParams(policy=BLOCK_POLICIES[i % len(BLOCK_POLICIES)], gen_length=16,
+                                  block_length=4 if i % 2 else 8, store_pass=i % 3 == 0, ignore_eos=i % 4 == 0,
+                                  temperature=0.7 if i == 5 else 0.0, seed=i, threshold=0.5)
+            engine.add_request([1 + i, 2, 3, 4, 5, 6][: 2 + i % 5], params)
+        steps = 0
+        while engine.has_unfinished():
+            with count_host_reads() as reads:
+                current.update(reads=reads, internal=0)
+                outputs = engine.step()
+            assert reads.count - current["internal"] == 1, reads.by_method
+            assert outputs
+            steps += 1
+        assert steps > 1
+
+
 def test_a_slot_range_reads_the_store_as_a_view_and_gaps_gather_the_same_rows(llada_model):
     """Rows of consecutive slots attend over a view of the KV store; the same rows read out of the
     store by slot index (a batch with gaps) give the same logits, step after step."""

@@ -86,6 +86,21 @@ def decide_threshold(batch: PolicyInputs) -> Decision:
                                        torch.ones_like(batch.step)))
 
 
+def decide_block_dynamic(batch: PolicyInputs) -> Decision:
+    """SDAR's low_confidence_dynamic and LLaDA2.0's threshold decoder: every candidate strictly above
+    the threshold when there are at least `quota` of them, else the quota best (guarded: only masked
+    positions are ever written, decoder B's behaviour; docs/decoding.md)."""
+    high = batch.candidates & (batch.conf > batch.f["threshold"][:, None])
+    enough = high.sum(dim=1) >= batch.quota
+    return Decision(torch.where(enough[:, None], high, P.commit_best(batch.conf, batch.candidates, batch.quota)))
+
+
+def decide_sequential(batch: PolicyInputs) -> Decision:
+    """SDAR's sequential decoder: the `quota` masked positions from the first one on, left to right."""
+    position = torch.arange(batch.conf.shape[1], device=batch.conf.device, dtype=batch.conf.dtype)
+    return Decision(P.commit_best(-position.expand_as(batch.conf), batch.candidates, batch.quota))
+
+
 def decide_cai(batch: PolicyInputs) -> Decision:
     """CAI, Algorithm 1 (policies.cai_step, with its per-request part tabulated: CaiSchedule)."""
     schedule = batch.schedule
@@ -110,6 +125,9 @@ POLICIES: dict[str, Policy] = {
     "dream-maskgit_plus": Policy(CONF_PROB, P.FAMILY_RANK, decide_rank),
     "dream-entropy": Policy(CONF_NEG_ENTROPY, P.FAMILY_RANK, decide_rank),
     "dream-topk_margin": Policy(CONF_MARGIN, P.FAMILY_RANK, decide_rank),
+    "block-static": Policy(CONF_PROB, P.FAMILY_RANK, decide_rank),
+    "block-dynamic": Policy(CONF_PROB, P.FAMILY_BLOCK_DYNAMIC, decide_block_dynamic),
+    "block-sequential": Policy(CONF_PROB, P.FAMILY_SEQUENTIAL, decide_sequential),
 }
 
 
@@ -127,7 +145,8 @@ def decide_step(batch: Batch, tables: DecodeTables, logits: torch.Tensor, block_
         logits = filter_min_p(logits, f["min_p"])
     x0 = predict(logits, batch.sampled, mask_id)
     conf = confidence(logits, x0, i["conf_kind"], frozenset(POLICIES[name].conf_kind for name in batch.policies))
-    candidates = (block_tokens == mask_id) & in_block
+    # a row's store pass (SDAR) commits nothing: its block is the next one, not yet denoised
+    candidates = (block_tokens == mask_id) & in_block & (batch.commits > 0)[:, None]
     cai = "cai" in batch.policies
     inputs = PolicyInputs(conf=conf, candidates=candidates, step=batch.step, block=batch.block, quota=batch.quota,
                           f=f, i=i, b=rows.b, first_conf=rows.first_conf, low_yield=rows.low_yield,
@@ -138,6 +157,7 @@ def decide_step(batch: Batch, tables: DecodeTables, logits: torch.Tensor, block_
         first[:, 0] = True
         commit = torch.where((batch.commit_first_only > 0)[:, None], first & candidates, commit)
     if cai:
+        low_yield = torch.where(batch.commits > 0, low_yield, rows.low_yield)  # a store pass is no step
         tables.store_cai_state(batch, first_conf, low_yield)
 
     new_tokens = torch.where(commit, x0, block_tokens)
@@ -146,7 +166,9 @@ def decide_step(batch: Batch, tables: DecodeTables, logits: torch.Tensor, block_
     position = torch.arange(width, device=conf.device)
     # first still-masked position and first end token (width: none)
     first_masked = torch.where(still_masked, position, width).amin(dim=1)
-    end_pos = torch.where(torch.isin(new_tokens, end_ids) & in_block, position, width).amin(dim=1)
+    # generated positions only: a block-diffusion row's first block holds the prompt's tail
+    generated = batch.block_start[:, None] + position >= batch.prompt_len[:, None]
+    end_pos = torch.where(torch.isin(new_tokens, end_ids) & in_block & generated, position, width).amin(dim=1)
     # first-step confidence bands, read by the host at a block's first step alone (the host derives
     # the middle band)
     no_band = torch.zeros_like(candidates)

@@ -11,12 +11,19 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
-POLICIES = ("fixed", "threshold", "cai", "dream-maskgit_plus", "dream-entropy", "dream-topk_margin")
+POLICIES = ("fixed", "threshold", "cai", "dream-maskgit_plus", "dream-entropy", "dream-topk_margin", "block-static",
+            "block-dynamic", "block-sequential")
+# The block-diffusion decoders (SDAR's low_confidence_static / low_confidence_dynamic / sequential,
+# LLaDA2.0's threshold decoder = block-dynamic): their per-step quota comes from the block length.
+BLOCK_SCHEDULE_POLICIES = ("block-static", "block-dynamic", "block-sequential")
 CACHE_MODES = ("none", "prefix", "dual")
 BLOCK_SCHEDULE_MODES = ("clamp", "stretch")
 ETA_DENOMINATORS = ("generation", "block")
 GRINDING_EXITS = ("continue", "fill")
 DEFAULT_BLOCK_LENGTH = 32  # LLaDA's and Fast-dLLM's block; Dream's own policies take the canvas as one block
+# CAI's gating (budgets, grinding detector) is on by default for LLaDA (the paper) and the block-diffusion
+# families, masked-diffusion models like it; off for Dream (the paper)
+GATED_ARCHITECTURES = ("llada", "sdar", "llada2")
 
 
 class DecodeParamError(ValueError):
@@ -49,7 +56,11 @@ class DecodeParams:
     # KV cache (runner axis)
     cache: str = "none"
     refresh_interval: int = 0  # full recompute every f steps inside a block; 0 = block starts only
-    # threshold policy (Fast-dLLM)
+    # block-diffusion models: a finished block's keys/values are written by one extra forward of the
+    # clean block (SDAR's official decoders, counted in NFE); off, they ride along with the next
+    # block's first forward (the same logits, one forward fewer per block)
+    store_pass: bool = False
+    # threshold policy (Fast-dLLM) and block-dynamic (SDAR, LLaDA2.0)
     threshold: float = 0.9
     # dream-* policies
     eps: float = 1e-3
@@ -77,7 +88,7 @@ class DecodeParams:
         for name, choices in FIELD_CHOICES.items():
             _check_choice(name, getattr(self, name), choices)
         for name in ("early_exit", "ignore_eos", "block_schedule", "position_factors", "budgets", "grinding",
-                     "commit_first_at_block_start"):
+                     "commit_first_at_block_start", "store_pass"):
             _check_bool(name, getattr(self, name))
         if self.gating is not None:
             _check_bool("gating", self.gating)
@@ -206,7 +217,7 @@ def resolve_defaults(params: DecodeParams, architecture: str) -> DecodeParams:
     """Fill the fields whose default depends on the model (paper: gating on for LLaDA, off for Dream)."""
     updates: dict[str, Any] = {}
     if params.gating is None:
-        updates["gating"] = architecture == "llada"
+        updates["gating"] = architecture in GATED_ARCHITECTURES
     if params.block_length is None:
         updates["block_length"] = params.effective_block_length
     if params.steps is None:

@@ -31,6 +31,8 @@ NEG_INF = float("-inf")
 FAMILY_RANK = 0
 FAMILY_THRESHOLD = 1
 FAMILY_CAI = 2
+FAMILY_BLOCK_DYNAMIC = 3
+FAMILY_SEQUENTIAL = 4
 
 # Paper constants, defined for a 64-token block and 64 steps per block (Boxes 4-6). They scale with
 # the block length (position boundaries) and with the steps per block (budgets): DECISION.
