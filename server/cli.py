@@ -114,9 +114,9 @@ def _add_setting(parser: Any, name: str, *aliases: str, unset: str = "", **optio
 
 
 def _cpus() -> int:
-    from engine.cpus import available_cpus
+    from engine.cpus import default_threads
 
-    return available_cpus()
+    return default_threads()
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -573,7 +573,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="most tokens one scoring forward feeds the model; a scoring request runs as such chunks "
                       "between decode steps, so a step waits on one at most")
     _add_setting(engine, "threads", type=int, help="torch CPU threads (intra-op pool); see docs/operations.md",
-                 unset=f"the CPUs this process may use, by affinity and cgroup quota: {_cpus()} here")
+                 unset=f"the CPUs this process may use, by affinity, cgroup quota and OMP_NUM_THREADS: "
+                       f"{_cpus()} here")
     _add_setting(engine, "compile_decide", action=argparse.BooleanOptionalAction,
                  help="compile the decide step (torch.compile): less host time a step, seconds of compiling "
                       "per new batch shape at the start")
