@@ -31,7 +31,7 @@ class EngineConfig:
     # About the tokens a full batch's step feeds; smaller chunks cost no throughput (bench/scoring_chunks.py)
     score_chunk_tokens: int = 1024
     # torch's intra-op CPU threads; None: the CPUs this process may use (engine.cpus: affinity and
-    # cgroup quota), not torch's default of every core of the machine
+    # cgroup quota, at most OMP_NUM_THREADS), not torch's default of every core of the machine
     threads: Optional[int] = None
 
     def __post_init__(self) -> None:

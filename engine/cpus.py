@@ -3,13 +3,15 @@
 torch sizes its intra-op pool from the machine's cores. In a container with a CPU limit on a larger
 node, or on cores another busy process shares, that pool is larger than the CPU time it gets, and
 its threads spend the step waiting for each other at OpenMP barriers (docs/operations.md, "CPU
-threads", measured by bench/threads.py). `EngineConfig.threads` defaults to this count instead.
+threads", measured by bench/threads.py). `EngineConfig.threads` defaults to this count instead
+(`default_threads`).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Optional
 
@@ -25,6 +27,15 @@ def available_cpus(proc_cgroup: Path = _PROC_CGROUP, cgroup_root: Path = _CGROUP
     if quota is not None:
         cpus = min(cpus, max(1, math.floor(quota)))
     return max(1, cpus)
+
+
+def default_threads(environ: Optional[Mapping[str, str]] = None) -> int:
+    """`EngineConfig.threads` when unset: the CPUs this process may use, and no more than
+    OMP_NUM_THREADS where that is set (OpenMP's own variable, which torch's pool also obeys)."""
+    environ = os.environ if environ is None else environ
+    cpus = available_cpus()
+    omp = environ.get("OMP_NUM_THREADS", "").strip()
+    return min(cpus, int(omp)) if omp.isdigit() and int(omp) > 0 else cpus
 
 
 def cgroup_cpu_quota(proc_cgroup: Path = _PROC_CGROUP, cgroup_root: Path = _CGROUP_ROOT) -> Optional[float]:

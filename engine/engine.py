@@ -25,7 +25,7 @@ import torch
 from engine import summary
 from engine.batch import Batch
 from engine.config import EngineConfig
-from engine.cpus import available_cpus
+from engine.cpus import default_threads
 from engine.decoding.decide import decide_step
 from engine.decoding.params import DecodeParams, resolve_defaults
 from engine.decoding.types import GenerationRequest, GenerationResult
@@ -46,7 +46,7 @@ Prompt = Union[GenerationRequest, Sequence[int], str]
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
-        torch.set_num_threads(config.threads or available_cpus())  # process-wide: before any work
+        torch.set_num_threads(config.threads or default_threads())  # process-wide: before any work
         model = load_model(config.model, device=config.device, dtype=config.dtype,
                            use_flash_attn=config.use_flash_attn)
         tokenizer: Optional[Any]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig
-from engine.cpus import available_cpus, cgroup_cpu_quota
+from engine.cpus import available_cpus, cgroup_cpu_quota, default_threads
 
 
 def _write(path: Path, text: str) -> None:
@@ -56,8 +56,16 @@ def test_the_engine_sets_torchs_pool(fixtures):
         Engine(EngineConfig(model=str(fixtures / "llada_tiny"), threads=1))
         assert torch.get_num_threads() == 1
         Engine(EngineConfig(model=str(fixtures / "llada_tiny")))
-        assert torch.get_num_threads() == available_cpus()
+        assert torch.get_num_threads() == default_threads()
     finally:
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="threads"):
         EngineConfig(model="m", threads=0)
+
+
+def test_omp_num_threads_lowers_the_default_never_raises_it():
+    cpus = available_cpus()
+    assert default_threads({}) == cpus
+    assert default_threads({"OMP_NUM_THREADS": "1"}) == 1
+    assert default_threads({"OMP_NUM_THREADS": str(cpus + 8)}) == cpus
+    assert default_threads({"OMP_NUM_THREADS": "not a number"}) == cpus

@@ -10,9 +10,9 @@ from server.cli.args import add_setting, engine_flag_options, exit_now, json_lis
 
 
 def _cpus() -> int:
-    from engine.cpus import available_cpus
+    from engine.cpus import default_threads
 
-    return available_cpus()
+    return default_threads()
 
 
 def add_parser(sub: Any) -> None:
@@ -38,7 +38,8 @@ def add_parser(sub: Any) -> None:
                 help="most tokens one scoring forward feeds the model; a scoring request runs as such chunks "
                      "between decode steps, so a step waits on one at most")
     add_setting(engine, "threads", type=int, help="torch CPU threads (intra-op pool); see docs/operations.md",
-                unset=f"the CPUs this process may use, by affinity and cgroup quota: {_cpus()} here")
+                unset=f"the CPUs this process may use, by affinity, cgroup quota and OMP_NUM_THREADS: "
+                      f"{_cpus()} here")
     add_setting(engine, "cuda_graphs", action=argparse.BooleanOptionalAction,
                  help="run the dual-cache step as CUDA graphs, one per batch bucket (CUDA only)")
     sv = serve.add_argument_group("server")
