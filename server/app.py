@@ -67,7 +67,10 @@ class AppState:
     def __init__(self, settings: ServerSettings, meter: Optional[EnergyMeter]) -> None:
         self.settings = settings
         self.meter = meter or open_meter(settings.device)  # before the metrics: energy series only with a meter
-        self.metrics = Metrics(settings.model_name, energy=self.meter.name != "none")
+        engine_info = {"device": settings.device, "dtype": settings.dtype,
+                       "quantization": settings.engine.quantization,
+                       "quantize_head": str(settings.engine.quantize_head).lower()}
+        self.metrics = Metrics(settings.model_name, energy=self.meter.name != "none", engine_info=engine_info)
         self.engine: Optional[Engine] = None
         self.loop: Optional[EngineLoop] = None
         self.serving: Optional[Serving] = None
@@ -80,7 +83,8 @@ class AppState:
     def start(self, factory: EngineFactory, on_failure: Optional[Callable[[str], None]] = None) -> None:
         began = time.monotonic()
         settings = self.settings
-        log.info("loading %s on %s (%s)", settings.model, settings.device, settings.dtype)
+        log.info("loading %s on %s (%s, quantization %s%s)", settings.model, settings.device, settings.dtype,
+                 settings.engine.quantization, ", head too" if settings.engine.quantize_head else "")
         try:
             engine = factory(self.settings)
             template = self.settings.chat_template_text()
@@ -97,9 +101,9 @@ class AppState:
             self.engine, self.loop = engine, loop
             loop.start()
             self.ready.set()
-            log.info("ready in %.1f s: serving %s (%s, %s attention) on http://%s:%d", time.monotonic() - began,
-                     settings.model_name, engine.architecture, engine.model.attention_backend, settings.host,
-                     settings.port)
+            log.info("ready in %.1f s: serving %s (%s, %s attention, quantization %s) on http://%s:%d",
+                     time.monotonic() - began, settings.model_name, engine.architecture,
+                     engine.model.attention_backend, engine.model.quantization, settings.host, settings.port)
         except Exception as err:  # reported by /ready and /health; `serve` also ends the process
             self.load_error = f"{type(err).__name__}: {err}"
             log.error("the model failed to load: %s", self.load_error)
@@ -257,7 +261,9 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
         return ModelCard(id=settings.model_name, created=int(state.started), root=settings.model,
                          max_model_len=serving.max_model_len, architecture=state.engine.architecture,
                          energy_meter=state.meter.name, decoding_profiles=list(serving.profiles),
-                         default_decoding_profile=serving.default_profile.name if serving.default_profile else None)
+                         default_decoding_profile=serving.default_profile.name if serving.default_profile else None,
+                         dtype=settings.dtype, quantization=state.engine.model.quantization,
+                         quantized_head=state.engine.model.quantized_head)
 
     @app.get("/v1/models")
     async def models() -> Any:
@@ -307,7 +313,7 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
         engine = state.engine
         return {"version": package_version(), "model": settings.model_name,
                 "architecture": engine.architecture if engine else None,
-                "device": settings.device, "dtype": settings.dtype,
+                "device": settings.device, "dtype": settings.dtype, "quantization": settings.engine.quantization,
                 "attention_backend": engine.model.attention_backend if engine else None,
                 "energy_meter": state.meter.name if state.meter else None}
 

@@ -79,6 +79,7 @@ def _shown(value: Any) -> str:
 
 def _engine_flag_options() -> dict[str, dict[str, Any]]:
     """The EngineConfig flags every command that loads a model shares (but for their defaults)."""
+    from engine.config import QUANTIZATION_MODES
     from engine.dtype_names import CANONICAL_DTYPES, DTYPE_ALIASES
 
     aliases = [name for name in DTYPE_ALIASES if name not in CANONICAL_DTYPES]
@@ -86,7 +87,13 @@ def _engine_flag_options() -> dict[str, dict[str, Any]]:
             "dtype": {"type": str.lower, "choices": tuple(DTYPE_ALIASES),
                       "metavar": "{" + ",".join(CANONICAL_DTYPES) + "}",
                       "help": f"weights and activations; aliases: {', '.join(aliases)}"},
-            "max_batch": {"type": int, "help": "rows decoded together per step"}}
+            "max_batch": {"type": int, "help": "rows decoded together per step"},
+            "quantization": {"choices": QUANTIZATION_MODES,
+                             "help": "weight-only quantization of the transformer layers' linear layers, "
+                                     "applied while loading: int8 (torchao), int4 (bitsandbytes NF4), "
+                                     "fp8 (torchao; CUDA, compute capability 8.9+); see docs/operations.md"},
+            "quantize_head": {"action": argparse.BooleanOptionalAction,
+                              "help": "quantize the output head too (kept in --dtype otherwise)"}}
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser, names: tuple[str, ...], **dests: str) -> None:
@@ -120,7 +127,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     try:
         params = DecodeParams.from_dict(_decode_overrides(args))
-        model = load_model(args.model, device=args.device, dtype=args.dtype)
+        model = load_model(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+                           quantize_head=args.quantize_head)
         tokenizer = None
         try:
             tokenizer = load_tokenizer(args.model)
@@ -159,7 +167,8 @@ def _score(args: argparse.Namespace) -> int:
     from engine.loading.tokenizer import encode_text
 
     try:
-        engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
+        engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                                     quantization=args.quantization, quantize_head=args.quantize_head))
         if engine.tokenizer is None:
             raise CheckpointError("scoring text needs a checkpoint with a tokenizer")
         context = (chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": args.context}]) if args.chat
@@ -228,7 +237,8 @@ def _eval(args: argparse.Namespace) -> int:
 
     try:
         engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                                     max_batch=args.batch_size))
+                                     max_batch=args.batch_size, quantization=args.quantization,
+                                     quantize_head=args.quantize_head))
     except (CheckpointError, DeviceError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -244,7 +254,8 @@ def _eval(args: argparse.Namespace) -> int:
     mix = args.mix or model_mix(args.model)
     problems = held_out_problems(args.n, args.seed, mix)
     print(f"# {args.n} held-out problems (seed {args.seed}, {args.prompt_form} prompts, mix {format_mix(mix)}) on "
-          f"{hardware()}, model {args.model}", flush=True)
+          f"{hardware()}, model {args.model}, quantization {args.quantization}"
+          f"{' (head too)' if args.quantize_head else ''}", flush=True)
     # one bar over configurations x problems, with its rate and ETA; each configuration's line above it
     with tqdm(total=len(configs) * len(problems), unit="problem", file=sys.stderr, dynamic_ncols=True) as bar:
         reports = evaluate(engine, problems, configs, batch_size=args.batch_size, on_problem=lambda: bar.update(),
@@ -257,7 +268,7 @@ def _eval(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "n": args.n, "seed": args.seed, "prompt_form": args.prompt_form,
-                       "mix": mix,
+                       "mix": mix, "quantization": args.quantization, "quantize_head": args.quantize_head,
                        "hardware": hardware(),
                        "batch_size": args.batch_size, "configs": [r.as_dict() for r in reports]}, f, indent=1)
     return 0
@@ -310,7 +321,8 @@ def _calibrate(args: argparse.Namespace) -> int:
             grader_name = args.grader or BUILTIN
         grader = make_grader(grader_name)
         engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                                     max_batch=args.batch_size))
+                                     max_batch=args.batch_size, quantization=args.quantization,
+                                     quantize_head=args.quantize_head))
     except (CalibrationDataError, CheckpointError, DeviceError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -511,7 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     gen.add_argument("--prompt-ids", action="append", help="comma-separated prompt token ids (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap each --prompt as a user turn of the chat template")
-    _add_engine_flags(gen, ("device", "dtype", "max_batch"))
+    _add_engine_flags(gen, ("device", "dtype", "max_batch", "quantization", "quantize_head"))
     gen.add_argument("--json", action="store_true", help="print one JSON object per request")
     _add_decode_flags(gen)
     gen.set_defaults(func=_generate)
@@ -524,7 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--chat", action="store_true", help="wrap --context as a user turn of the chat template")
     sc.add_argument("--samples", type=int, default=None, help="samples per split (default: the decoding default)")
     sc.add_argument("--seed", type=int, default=0, help="seeds the masks: the same seed, the same numbers")
-    _add_engine_flags(sc, ("device", "dtype"))
+    _add_engine_flags(sc, ("device", "dtype", "quantization", "quantize_head"))
     sc.add_argument("--json", action="store_true", help="print one JSON object per continuation")
     sc.set_defaults(func=_score)
 
@@ -540,7 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "profile:FILE (a decoding profile, e.g. from `cai-dllm calibrate`)")
     ev.add_argument("--gen-length", type=int, default=128, help="generation canvas of every configuration")
     ev.add_argument("--block-length", type=int, default=32, help="block length of every configuration")
-    _add_engine_flags(ev, ("device", "dtype"))
+    _add_engine_flags(ev, ("device", "dtype", "quantization", "quantize_head"))
     ev.add_argument("--mix", type=_task_mix, help=_MIX_HELP)
     ev.add_argument("--json", help="also write the full report to this file")
     ev.set_defaults(func=_eval)
@@ -555,6 +567,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_setting(engine, "device", **options["device"])
     _add_setting(engine, "dtype", **options["dtype"])
     _add_setting(engine, "max_batch", "--max-num-seqs", **options["max_batch"])
+    _add_setting(engine, "quantization", "-q", **options["quantization"])
+    _add_setting(engine, "quantize_head", **options["quantize_head"])
     _add_setting(engine, "max_model_len", type=int, help="prompt + canvas limit", unset="the model's context")
     _add_setting(engine, "use_flash_attn", action=argparse.BooleanOptionalAction,
                  help="FlashAttention kernels", unset="when installed and usable")
@@ -638,7 +652,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--theta-s-grid", type=_float_list, help="theta_s values of the threshold stage (0.8,0.9,0.99)")
     cal.add_argument("--theta-e-grid", type=_float_list, help="theta_e values of the threshold stage (0.5,0.7,0.9)")
     _add_engine_flags(cal, ("max_batch",), max_batch="batch_size")
-    _add_engine_flags(cal, ("device", "dtype"))
+    _add_engine_flags(cal, ("device", "dtype", "quantization", "quantize_head"))
     cal.add_argument("--name", default="calibrated", help="the profile's name (decoding.profile)")
     cal.add_argument("--out", default="calibrated.json", help="the profile file to write")
     cal.set_defaults(func=_calibrate)
