@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,6 +33,8 @@ _LIBRARY = {"int8": "torchao", "int4": "bitsandbytes", "fp8": "torchao"}
 _INSTALL_HINT = "pip install 'cai-dllm[quant]'"
 # bitsandbytes quantizes the flattened weight in blocks of this many values, each with its own scale
 NF4_BLOCK = 64
+NF4_SCALE_BLOCK = 256  # the block scales are themselves quantized to 8 bits in blocks of this many
+NF4_VALUES_PER_CALL = 1 << 23  # weights quantized per bitsandbytes call (bounds its temporaries)
 _FP8_MIN_CAPABILITY = (8, 9)  # the e4m3 matmul kernels torchao calls (Ada, Hopper and later)
 
 
@@ -60,6 +63,29 @@ def _torchao_linear(config_name: str) -> Callable[[nn.Linear], nn.Module]:
     return convert
 
 
+def _nf4_state(weight: torch.Tensor, rows_per_call: int) -> tuple[torch.Tensor, Any]:
+    """bitsandbytes' NF4 of `weight` (packed data, QuantState), computed `rows_per_call` rows at a
+    time: its CPU kernel holds ~17 bytes of float temporaries per weight, 1.7 GB for one fused MLP
+    projection of LLaDA-8B. Blocks never straddle rows (in_features is a multiple of the block), so
+    the pieces' data and block scales are the one-call result; the scales are then compressed as
+    `quantize_4bit(compress_statistics=True)` does (offset by their mean, 8-bit blocks of 256)."""
+    from bitsandbytes.functional import QuantState, quantize_4bit, quantize_blockwise
+
+    packed, absmax, code = [], [], None
+    for start in range(0, weight.shape[0], rows_per_call):
+        piece, state = quantize_4bit(weight[start:start + rows_per_call], blocksize=NF4_BLOCK,
+                                     compress_statistics=False, quant_type="nf4")
+        packed.append(piece)
+        absmax.append(state.absmax)
+        code = state.code
+    scales = torch.cat(absmax)
+    offset = scales.mean()
+    compressed, state2 = quantize_blockwise(scales - offset, blocksize=NF4_SCALE_BLOCK)
+    return torch.cat(packed), QuantState(absmax=compressed, shape=weight.shape, dtype=weight.dtype,
+                                         blocksize=NF4_BLOCK, code=code, quant_type="nf4", offset=offset,
+                                         state2=state2)
+
+
 def _bnb_nf4_linear(linear: nn.Linear) -> nn.Module:
     _quiet_library_logs()
     import bitsandbytes as bnb
@@ -67,9 +93,14 @@ def _bnb_nf4_linear(linear: nn.Linear) -> nn.Module:
     weight = linear.weight.data
     quantized = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
                                   compute_dtype=weight.dtype, quant_type="nf4", device="meta")
-    # Params4bit quantizes when moved to a device: the float weight is freed as soon as it returns
-    quantized.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4",
-                                         blocksize=NF4_BLOCK).to(weight.device)
+    if linear.in_features % NF4_BLOCK:  # blocks would straddle rows: one call over the whole weight
+        quantized.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4",
+                                             blocksize=NF4_BLOCK).to(weight.device)
+    else:
+        rows = max(1, NF4_VALUES_PER_CALL // linear.in_features)
+        data, state = _nf4_state(weight, rows)
+        quantized.weight = bnb.nn.Params4bit(data, requires_grad=False, quant_state=state, blocksize=NF4_BLOCK,
+                                             compress_statistics=True, quant_type="nf4", bnb_quantized=True)
     if linear.bias is not None:
         quantized.bias = nn.Parameter(linear.bias.data, requires_grad=False)
     return quantized
@@ -144,7 +175,7 @@ def linear_weight_bytes(out_features: int, in_features: int, mode: str, dtype: t
     # NF4: half a byte a weight; bitsandbytes stores each block's scale as one byte plus a float32
     # for every 256 of them (compress_statistics)
     blocks = -(-numel // NF4_BLOCK)
-    return numel // 2 + blocks + 4 * -(-blocks // 256)
+    return numel // 2 + blocks + 4 * -(-blocks // NF4_SCALE_BLOCK)
 
 
 def quantized_model_bytes(model: nn.Module, mode: str, dtype: torch.dtype, quantize_head: bool = False) -> int:

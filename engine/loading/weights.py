@@ -9,6 +9,8 @@ bad checkpoint fails in milliseconds and names the offending tensor.
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,19 @@ from engine.models.registry import model_class_for
 from engine.models.transformer import DiffusionTransformer
 from engine.models.weight_names import IGNORED_WEIGHTS, expected_weights
 from engine.quantization import check_quantization, quantize_linear, quantize_linears
+
+
+def _glibc() -> Optional[ctypes.CDLL]:
+    if sys.platform != "linux":
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:  # not glibc (e.g. musl)
+        return None
+
+
+_LIBC = _glibc()
 
 
 @dataclass(frozen=True)
@@ -78,6 +93,14 @@ def plan_weights(model: DiffusionTransformer, files: list[Path]) -> dict[Path, l
         shown = ", ".join(missing[:5]) + (" …" if len(missing) > 5 else "")
         raise CheckpointError(f"{len(missing)} weight(s) missing from the checkpoint: {shown}")
     return plan
+
+
+def release_freed_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's malloc_trim; elsewhere nothing). The
+    quantizers' temporaries are freed into the heap, where they would stay resident: measured at
+    LLaDA-8B shapes, int4's resident set was 1.25 GB above its weights without this."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
 
 
 def _layer_of(param: str) -> Optional[int]:
@@ -135,6 +158,8 @@ def load_model(path: Union[str, Path], device: Union[str, torch.device] = "cpu",
             for file, placement in by_layer.get(index, []):
                 copy_tensor_into(handles[file], placement.entry, _destination(model, placement))
             quantize_linears(layer, quantization)
+            if quantization != "none":
+                release_freed_heap()
 
     model.requires_grad_(False)
     model.eval()
