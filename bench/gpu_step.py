@@ -42,7 +42,11 @@ from engine.models.attention import flash_attn_available, sdpa_attention, select
 from engine.models.layers import RMSNorm, RotaryEmbedding
 from engine.models.registry import model_class_for
 from engine.models.transformer import DiffusionTransformer
+from engine.quantization import check_quantization, quantize_linears
 from engine.special_tokens import added_token_ids
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from roofline import CACHED, FULL, ModelDims, measure_rates, step_bytes, step_flops, step_shape, sync
 
 # The shared fixtures beside the repository, or where CAI_DLLM_FIXTURES says (as for the tests).
 FIXTURES = Path(os.environ.get("CAI_DLLM_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
@@ -55,7 +59,6 @@ TINY_OVERRIDES: dict[str, dict[str, int]] = {
     "dream": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
               "intermediate_size": 688},
 }
-FULL, CACHED = "full", "cached"
 INIT_STD = 0.02
 
 
@@ -160,141 +163,6 @@ def make_stepper(model: DiffusionTransformer, prompts: Sequence[tuple[int, ...]]
     return step
 
 
-# ------------------------------------------------------------------------------ roofline
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """What the floor needs to know about a model."""
-
-    body_params: int  # every parameter but the embedding table and the head
-    head_params: int
-    hidden_size: int
-    q_size: int  # heads x head_dim: the width of attention's two matmuls
-    kv_size: int  # kv_heads x head_dim
-    num_layers: int
-    shift: int  # 1 when output i-1 predicts token i (Dream): one extra position is fed
-    elem_bytes: int
-    layer_params: int  # one decoder layer's
-    kv_proj_params: int  # one layer's key and value projections (weights and biases)
-
-    @property
-    def wanted_only_params(self) -> int:
-        """What runs at the logit positions alone: the last layer but its key and value projections
-        (every fed position still writes its keys and values), and the final norm."""
-        return self.layer_params - self.kv_proj_params + self.hidden_size
-
-    @classmethod
-    def of(cls, model: DiffusionTransformer) -> ModelDims:
-        config = model.config
-        params = dict(model.named_parameters())  # tied weights appear once, under embed
-        body = sum(p.numel() for name, p in params.items() if not name.startswith(("embed.", "lm_head.")))
-        layer = sum(p.numel() for p in model.layers[-1].parameters())
-        kv_bias = 2 * config.kv_size if config.qkv_bias else 0
-        return cls(body_params=body, head_params=model.lm_head.weight.numel(), hidden_size=config.hidden_size,
-                   q_size=config.q_size, kv_size=config.kv_size, num_layers=config.num_layers,
-                   shift=1 if model.logits_shifted else 0, elem_bytes=model.dtype.itemsize, layer_params=layer,
-                   kv_proj_params=2 * config.hidden_size * config.kv_size + kv_bias)
-
-
-@dataclass(frozen=True)
-class StepShape:
-    batch: int
-    fed: int  # tokens fed per row
-    keys: int  # keys each query attends over
-    logits: int  # positions per row whose logits are computed
-    kv_read: int  # cache columns per row the step's attention reads (0: no cache)
-
-    @property
-    def fed_tokens(self) -> int:
-        return self.batch * self.fed
-
-
-def step_shape(dims: ModelDims, batch: int, cache: str, kind: str, prompt_len: int, gen_len: int,
-               block: int, block_start: int) -> StepShape:
-    """The work of one step of every row at the block starting at `block_start` (canvas index).
-
-    Keys are the canvas length: the floor counts the work the step needs, not the padding or scratch
-    columns an implementation may add."""
-    length = prompt_len + gen_len
-    cache_cols = 0 if cache == "none" else length
-    if kind == FULL:
-        fed = length
-    elif cache == "dual":
-        fed = block + dims.shift
-    elif cache == "prefix":
-        fed = length - block_start + dims.shift
-    else:
-        raise ValueError(f"cache {cache!r} has no {kind!r} step")
-    return StepShape(batch=batch, fed=fed, keys=length, logits=block, kv_read=cache_cols)
-
-
-def step_flops(dims: ModelDims, shape: StepShape) -> int:
-    """2 x params x tokens, 4 x Q x K x q_size per layer for attention's two matmuls (the embedding is
-    a lookup). Every fed token goes through every layer but the last, where only its keys and values
-    are needed unless its logits are wanted: the last layer's queries, attention, MLP, the final norm
-    and the head run at the logit positions alone (what the engine computes)."""
-    b = shape.batch
-    every_fed = dims.body_params - dims.wanted_only_params
-    dense = 2 * b * (every_fed * shape.fed + (dims.wanted_only_params + dims.head_params) * shape.logits)
-    attention = 4 * b * shape.keys * dims.q_size * ((dims.num_layers - 1) * shape.fed + shape.logits)
-    return dense + attention
-
-
-def step_bytes(dims: ModelDims, shape: StepShape) -> int:
-    """Bytes read at least once: body and head weights, the embedding rows looked up, and the
-    keys and values of every cache column read (all layers)."""
-    weights = (dims.body_params + dims.head_params + shape.fed_tokens * dims.hidden_size) * dims.elem_bytes
-    kv = 2 * shape.batch * shape.kv_read * dims.kv_size * dims.num_layers * dims.elem_bytes
-    return weights + kv
-
-
-@dataclass(frozen=True)
-class DeviceRates:
-    copy_bytes_per_s: float  # read + write
-    matmul_flops_per_s: float
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _best_time(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    """The fastest of `repeats` runs: a floor must use the best rate the device showed, or a
-    moment of contention would put the floor above what the step itself achieves."""
-    fn()  # warm-up: allocation, kernel selection
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def _copy_rate(device: torch.device, dtype: torch.dtype, mib: int, repeats: int) -> float:
-    src = torch.ones(mib * 2**20 // dtype.itemsize, dtype=dtype, device=device)
-    dst = torch.empty_like(src)
-    seconds = _best_time(lambda: dst.copy_(src), device, repeats)
-    return 2 * src.numel() * src.element_size() / seconds  # every byte is read once and written once
-
-
-def _matmul_rate(device: torch.device, dtype: torch.dtype, n: int, repeats: int) -> float:
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    return 2 * n**3 / _best_time(lambda: a @ b, device, repeats)
-
-
-def measure_rates(device: torch.device, dtype: torch.dtype, copy_mib: int, matmul_n: int,
-                  repeats: int = 10) -> DeviceRates:
-    """The device's achievable rates, measured rather than taken from a datasheet so that the floor
-    is one this device (clocks, power limit, MIG slice) can actually reach."""
-    return DeviceRates(copy_bytes_per_s=_copy_rate(device, dtype, copy_mib, repeats),
-                       matmul_flops_per_s=_matmul_rate(device, dtype, matmul_n, repeats))
-
-
 # ------------------------------------------------------------------------------ timing
 
 
@@ -337,10 +205,10 @@ def time_steps(model: DiffusionTransformer, prompts: list[tuple[int, ...]], cach
     for repeat in range(args.repeats + 1):
         step = make_stepper(model, prompts, cache, args, cuda_graphs)
         for i in range(1 + k):
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             fed = step()
-            _sync(device)
+            sync(device)
             elapsed = time.perf_counter() - start
             kind = FULL if i == 0 or cache == "none" else CACHED
             if repeat == 0:
@@ -379,6 +247,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         "default: on with --device cuda), "
                         "attention sdpa, labelled 'sdpa+graph' (each repeat's fresh engine captures its graph in "
                         "its first cached step, one of the steps the median is taken over)")
+    parser.add_argument("--quantization", nargs="+", choices=("none", "int8", "int4", "fp8"), default=["none"],
+                        help="weights of the decoder layers' linears, each a run (engine.quantization); the memory "
+                             "floor counts the quantized bytes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     parser.add_argument("--real-dir", type=Path, default=REAL_DIR, help="folder with the released configs")
@@ -406,7 +277,8 @@ def _device_name(device: torch.device) -> str:
 
 
 # (name, width, format of a value); text columns are left-aligned, numbers right-aligned.
-_COLUMNS = (("model", 6, "s"), ("batch", 5, "d"), ("cache", 6, "s"), ("step", 6, "s"), ("attn", 10, "s"),
+_COLUMNS = (("model", 6, "s"), ("quant", 5, "s"), ("batch", 5, "d"), ("cache", 6, "s"), ("step", 6, "s"),
+            ("attn", 10, "s"),
             ("step_ms", 10, ".3f"), ("fed_tok", 7, "d"), ("tok_per_s", 11, ".0f"), ("mem_floor_ms", 12, ".3f"),
             ("comp_floor_ms", 13, ".3f"), ("floor_ms", 10, ".3f"), ("step/floor", 10, ".2f"))
 COLUMNS = tuple(name for name, _, _ in _COLUMNS)
@@ -464,14 +336,18 @@ def _run(args: argparse.Namespace, argv_shown: list[str]) -> None:
     print("# fed_tok = tokens the model consumed in the step; floor = max(bytes / bandwidth, FLOPs / matmul rate)")
     print(_format_header())
 
-    for name in args.models:
+    for mode in args.quantization:
+        check_quantization(mode, device, dtype)
+    for name, quant in [(name, mode) for name in args.models for mode in args.quantization]:
         spec = model_spec(name, args.shapes, args.real_dir)
         start = time.perf_counter()
         model = build_random_model(spec, device, dtype, args.seed)
-        dims = ModelDims.of(model)
+        dims = ModelDims.of(model, quant)
         total = sum(p.numel() for p in model.parameters())  # a tied head is counted once
+        quantize_linears(model.layers, quant)
         print(f"# {name}: {model.display_name} {args.shapes} shapes, {total / 1e9:.3f}B parameters "
-              f"({dims.num_layers} layers, hidden {dims.hidden_size}), built in {time.perf_counter() - start:.1f} s")
+              f"({dims.num_layers} layers, hidden {dims.hidden_size}), quantization {quant}, built in "
+              f"{time.perf_counter() - start:.1f} s")
         for batch in args.batches:
             prompts = random_prompts(batch, args.prompt_len, spec.token_limit, args.seed + batch)
             for cache in args.caches:
@@ -498,7 +374,7 @@ def _run(args: argparse.Namespace, argv_shown: list[str]) -> None:
                         mem_s = step_bytes(dims, shape) / rates.copy_bytes_per_s
                         comp_s = step_flops(dims, shape) / rates.matmul_flops_per_s
                         floor_s = max(mem_s, comp_s)
-                        print(_format_row((name, batch, cache, kind, label, 1e3 * step_s, shape.fed_tokens,
+                        print(_format_row((name, quant, batch, cache, kind, label, 1e3 * step_s, shape.fed_tokens,
                                            shape.fed_tokens / step_s, 1e3 * mem_s, 1e3 * comp_s,
                                            1e3 * floor_s, step_s / floor_s)), flush=True)
         model.set_attention_kernel("sdpa", sdpa_attention)

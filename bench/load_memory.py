@@ -17,18 +17,24 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 from safetensors.torch import save_file
 
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
 
-def write_checkpoint(root: Path, layers: int, d_model: int, mlp: int, vocab: int, shard_bytes: int) -> int:
+
+def write_checkpoint(root: Path, layers: int, d_model: int, mlp: int, vocab: int, shard_bytes: int,
+                     config: Optional[dict] = None) -> int:
+    """Random bf16 weights in the official LLaDA layout; `config` (a LLaDA config.json) is written as
+    is, else the tiny fixture's is resized to the given shapes."""
     root.mkdir(parents=True, exist_ok=True)
-    fixture_config = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "llada_tiny" / "config.json"
-    config = json.loads(fixture_config.read_text())
-    config.update(d_model=d_model, n_layers=layers, n_heads=d_model // 128, n_kv_heads=d_model // 128,
-                  mlp_hidden_size=mlp, vocab_size=vocab, embedding_size=vocab,
-                  mask_token_id=vocab - 2, eos_token_id=vocab - 1, pad_token_id=vocab - 1)
+    if config is None:
+        config = json.loads((FIXTURES / "llada_tiny" / "config.json").read_text())
+        config.update(d_model=d_model, n_layers=layers, n_heads=d_model // 128, n_kv_heads=d_model // 128,
+                      mlp_hidden_size=mlp, vocab_size=vocab, embedding_size=vocab,
+                      mask_token_id=vocab - 2, eos_token_id=vocab - 1, pad_token_id=vocab - 1)
     (root / "config.json").write_text(json.dumps(config, indent=2))
     shapes: dict[str, tuple[int, ...]] = {"model.transformer.wte.weight": (vocab, d_model)}
     for i in range(layers):

@@ -7,6 +7,9 @@ from typing import Optional
 
 from engine.dtype_names import DTYPE_ALIASES
 
+# weight-only quantization of the decoder layers' linear layers (engine.quantization)
+QUANTIZATION_MODES = ("none", "int8", "int4", "fp8")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -33,6 +36,10 @@ class EngineConfig:
     # torch's intra-op CPU threads; None: the CPUs this process may use (engine.cpus: affinity and
     # cgroup quota, at most OMP_NUM_THREADS), not torch's default of every core of the machine
     threads: Optional[int] = None
+    # weight-only quantization of the decoder layers' linear layers, applied while loading; the head
+    # too when quantize_head (engine.quantization, docs/operations.md)
+    quantization: str = "none"
+    quantize_head: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
@@ -53,5 +60,9 @@ class EngineConfig:
             raise ValueError(f"threads must be a positive integer, got {self.threads!r}")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError(f"cuda_graphs needs a CUDA device, got device {self.device!r}")
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}; got {self.quantization!r}")
+        if self.quantize_head and self.quantization == "none":
+            raise ValueError("quantize_head needs a quantization mode other than none")
         if self.dtype.lower() not in DTYPE_ALIASES:
             raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {self.dtype!r}")

@@ -48,7 +48,8 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         torch.set_num_threads(config.threads or default_threads())  # process-wide: before any work
         model = load_model(config.model, device=config.device, dtype=config.dtype,
-                           use_flash_attn=config.use_flash_attn)
+                           use_flash_attn=config.use_flash_attn, quantization=config.quantization,
+                           quantize_head=config.quantize_head)
         tokenizer: Optional[Any]
         try:
             tokenizer = load_tokenizer(config.model)
@@ -62,7 +63,8 @@ class Engine:
         """An engine over an already loaded model (tests, training, benchmarks)."""
         engine = cls.__new__(cls)
         config = EngineConfig(model="", device=str(model.device), dtype=str(model.dtype).removeprefix("torch."),
-                              max_batch=max_batch, cuda_graphs=cuda_graphs)
+                              max_batch=max_batch, cuda_graphs=cuda_graphs,
+                              quantization=model.quantization, quantize_head=model.quantized_head)
         engine._setup(config, model, tokenizer)
         return engine
 

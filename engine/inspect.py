@@ -14,7 +14,10 @@ from engine.loading.weights import plan_weights
 from engine.models.block_transformer import BlockDiffusionTransformer
 from engine.models.moe import GroupedExperts
 from engine.models.registry import model_class_for
+from engine.quantization import quantized_model_bytes
 from engine.special_tokens import SpecialTokens
+
+_GB = 1e9
 
 
 def _special_ids(checkpoint: CheckpointFiles) -> tuple[Optional[SpecialTokens], Union[dict[str, Any], str]]:
@@ -69,6 +72,8 @@ def describe_checkpoint(path: Union[str, Path]) -> dict[str, Any]:
         "logits_shifted": config.logits_shifted,
         "dtype": checkpoint.config.get("torch_dtype") or checkpoint.config.get("dtype") or "not stated in config.json",
         "special_ids": special_ids,
+        "weights_memory": weights_memory(model, _dtype_of(checkpoint.config.get("torch_dtype")
+                                                          or checkpoint.config.get("dtype"))),
         "chat_template": checkpoint.has_chat_template,
         "tokenizer_files": sorted(p.name for p in checkpoint.path.iterdir()
                                   if p.name in ("tokenizer.json", "vocab.json", "merges.txt")),
@@ -89,11 +94,33 @@ def describe_checkpoint(path: Union[str, Path]) -> dict[str, Any]:
     return report
 
 
+def _dtype_of(name: Any) -> torch.dtype:
+    """The checkpoint's stated dtype where the engine runs it, else bfloat16 (what large checkpoints use)."""
+    dtype = getattr(torch, str(name), None) if name else None
+    return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def weights_memory(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, Any]:
+    """The weights' bytes once loaded, per --quantization mode (the head in `dtype`, and quantized
+    too), computed from the shapes; KV caches and activations come on top."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    modes: dict[str, Any] = {"dtype": dtype_name, "none": quantized_model_bytes(model, "none", dtype)}
+    for mode in ("int8", "int4", "fp8"):
+        modes[mode] = quantized_model_bytes(model, mode, dtype)
+        if not model.config.tie_word_embeddings:
+            modes[f"{mode}+head"] = quantized_model_bytes(model, mode, dtype, quantize_head=True)
+    return modes
+
+
 def format_report(report: dict[str, Any]) -> str:
     width = max(len(k) for k in report)
     lines = []
     for key, value in report.items():
         if key in ("parameters", "active_parameters"):
             value = f"{value:,} ({value / 1e9:.2f}B)" if value >= 1e8 else f"{value:,}"
+        elif key == "weights_memory":
+            value = f"({value['dtype']}) " + ", ".join(f"{mode} {size / _GB:.2f} GB" if size >= 1e8
+                                                       else f"{mode} {size / 1e6:.1f} MB"
+                                                       for mode, size in value.items() if mode != "dtype")
         lines.append(f"{key.ljust(width)}  {value}")
     return "\n".join(lines)

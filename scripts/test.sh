@@ -13,6 +13,6 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
 fi
 python3 -m venv "$VENV"
 "$VENV/bin/pip" install --quiet torch==2.13.0
-"$VENV/bin/pip" install --quiet -e '.[dev,ops]'
+"$VENV/bin/pip" install --quiet -e '.[dev,ops,quant]'
 "$VENV/bin/ruff" check .
 PATH="$PWD/$VENV/bin:$PATH" "$VENV/bin/python" -m pytest "$@"

@@ -79,7 +79,10 @@ class AppState:
     def __init__(self, settings: ServerSettings, meter: Optional[EnergyMeter]) -> None:
         self.settings = settings
         self.meter = meter or open_meter(settings.device)  # before the metrics: energy series only with a meter
-        self.metrics = Metrics(settings.model_name, energy=self.meter.name != "none")
+        engine_info = {"device": settings.device, "dtype": settings.dtype,
+                       "quantization": settings.engine.quantization,
+                       "quantize_head": str(settings.engine.quantize_head).lower()}
+        self.metrics = Metrics(settings.model_name, energy=self.meter.name != "none", engine_info=engine_info)
         self.loop: Optional[EngineLoop] = None
         self.serving: Optional[Servings] = None
         self.load_error: Optional[str] = None
@@ -91,7 +94,8 @@ class AppState:
     def start(self, factory: EngineFactory, on_failure: Optional[Callable[[str], None]] = None) -> None:
         began = time.monotonic()
         settings = self.settings
-        log.info("loading %s on %s (%s)", settings.model, settings.device, settings.dtype)
+        log.info("loading %s on %s (%s, quantization %s%s)", settings.model, settings.device, settings.dtype,
+                 settings.engine.quantization, ", head too" if settings.engine.quantize_head else "")
         try:
             loop = EngineLoop(factory(self.settings), self.settings.max_queue, self.metrics, self.meter)
             template = self.settings.chat_template_text()
@@ -104,8 +108,9 @@ class AppState:
             self.loop = loop
             loop.start()
             self.ready.set()
-            log.info("ready in %.1f s: serving %s (%s, %s attention) on http://%s:%d", time.monotonic() - began,
-                     settings.model_name, loop.architecture, loop.attention_backend, settings.host, settings.port)
+            log.info("ready in %.1f s: serving %s (%s, %s attention, quantization %s) on http://%s:%d",
+                     time.monotonic() - began, settings.model_name, loop.architecture, loop.attention_backend,
+                     loop.quantization, settings.host, settings.port)
         except Exception as err:  # reported by /ready and /health; `serve` also ends the process
             self.load_error = f"{type(err).__name__}: {err}"
             log.error("the model failed to load: %s", self.load_error)
@@ -238,7 +243,9 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
         return ModelCard(id=settings.model_name, created=int(state.started), root=settings.model,
                          max_model_len=serving.max_model_len, architecture=state.loop.architecture,
                          energy_meter=state.meter.name, decoding_profiles=list(serving.profiles),
-                         default_decoding_profile=serving.default_profile.name if serving.default_profile else None)
+                         default_decoding_profile=serving.default_profile.name if serving.default_profile else None,
+                         dtype=settings.dtype, quantization=state.loop.quantization,
+                         quantized_head=state.loop.quantized_head)
 
     @app.get("/v1/models")
     async def models() -> Any:
@@ -288,7 +295,7 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
         loop = state.loop
         return {"version": package_version(), "model": settings.model_name,
                 "architecture": loop.architecture if loop else None,
-                "device": settings.device, "dtype": settings.dtype,
+                "device": settings.device, "dtype": settings.dtype, "quantization": settings.engine.quantization,
                 "attention_backend": loop.attention_backend if loop else None,
                 "energy_meter": state.meter.name if state.meter else None}
 

@@ -114,6 +114,14 @@ class EngineLoop:
         return self.engine.model.attention_backend
 
     @property
+    def quantization(self) -> str:
+        return self.engine.model.quantization
+
+    @property
+    def quantized_head(self) -> bool:
+        return self.engine.model.quantized_head
+
+    @property
     def max_logprobs(self) -> int:
         return self.engine.config.max_logprobs
 

@@ -24,7 +24,9 @@ _JOULES = (0.01, 0.1, 0.5, 1, 5, 10, 50, 100, 500, 1000, 5000)
 
 
 class Metrics:
-    def __init__(self, model_name: str, energy: bool = True) -> None:
+    def __init__(self, model_name: str, energy: bool = True, engine_info: Optional[dict[str, str]] = None) -> None:
+        """`engine_info`: the engine-wide settings the info series carries as labels (dtype, device,
+        quantization, ...), vLLM's `*_config_info` convention: a gauge at 1."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
         r, label = self.registry, ["model_name"]
@@ -69,6 +71,10 @@ class Metrics:
         self.scoring_chunk_seconds = Histogram("caidllm:scoring_chunk_seconds", "Engine-thread time of one "
                                                "scoring chunk (the most a decode step waits on scoring)", label,
                                                buckets=_CHUNK_SECONDS, registry=r)
+        info = dict(engine_info or {})
+        self.engine_info = Gauge("caidllm:engine_config_info", "Engine settings fixed at start-up (labels); always 1",
+                                 [*label, *info], registry=r)
+        self.engine_info.labels(model_name=model_name, **info).set(1)
         self.request_joules: Optional[Histogram] = None
         self.joules: Optional[Counter] = None
         if energy:

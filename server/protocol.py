@@ -319,6 +319,9 @@ class ModelCard(BaseModel):
     energy_meter: str
     decoding_profiles: list[str] = []  # names a request can give as decoding.profile
     default_decoding_profile: Optional[str] = None  # applied when a request names none
+    dtype: str  # of activations, embeddings, norms and (unless quantized_head) the head
+    quantization: str  # of the transformer layers' linear weights: none, int8, int4 or fp8
+    quantized_head: bool = False
 
 
 class ModelList(BaseModel):

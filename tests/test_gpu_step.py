@@ -146,3 +146,20 @@ def test_tiny_cpu_run_prints_every_row(capsys, fixtures: Path):
             for c, kinds in (("none", ("full",)), ("prefix", ("full", "cached")), ("dual", ("full", "cached")))
             for k in kinds}
     assert seen == want
+
+
+def test_quantization_switch_runs_each_mode_and_lowers_the_memory_floor(capsys, fixtures: Path):
+    pytest.importorskip("torchao", reason="int8 needs torchao (pip install 'cai-dllm[quant]')")
+    pytest.importorskip("bitsandbytes", reason="int4 needs bitsandbytes (pip install 'cai-dllm[quant]')")
+    gpu_step.main(["--real-dir", str(fixtures / "real"), "--shapes", "tiny", "--device", "cpu", "--models", "llada",
+                   "--dtype", "float32", "--prompt-len", "16", "--gen-len", "16", "--block", "8",
+                   "--batches", "1", "--caches", "dual", "--repeats", "1", "--cached-steps", "1",
+                   "--copy-mib", "16", "--matmul-n", "128", "--threads", "1",
+                   "--quantization", "none", "int8", "int4"])
+    header, *rows = [line.split() for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    floors = {}
+    for row in rows:
+        cells = dict(zip(header, row, strict=True))
+        floors.setdefault(cells["step"], {})[cells["quant"]] = float(cells["mem_floor_ms"])
+    for by_mode in floors.values():
+        assert by_mode["int4"] < by_mode["int8"] < by_mode["none"]

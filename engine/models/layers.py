@@ -3,10 +3,11 @@
 Projections that read the same input are fused (q|k|v and gate|up) so each is one matmul; the
 loader fills the fused weights shard by shard through `shard_offsets`.
 
-Inside a layer, submodules are run through their `forward` (linear layers through `F.linear`), not
-through `nn.Module.__call__`: its hook dispatch costs a few microseconds a call, ten calls a layer,
-which is a visible share of a small model's decoding step on a CPU. No hook is ever registered on
-these submodules; the model itself is still called normally.
+Inside a layer, submodules are run through their `forward`, not through `nn.Module.__call__`: its
+hook dispatch costs a few microseconds a call, ten calls a layer, which is a visible share of a
+small model's decoding step on a CPU. No hook is ever registered on these submodules; the model
+itself is still called normally. A linear layer may be a quantized library module
+(engine.quantization): its `forward` is the only interface layers rely on.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ class Attention(nn.Module):
         and a value but only those positions are queries: the output is theirs alone."""
         batch, length, _ = x.shape
         q_width = self.num_heads * self.head_dim
-        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = self.qkv_proj.forward(x)
         # RoPE on the queries and keys together: one rotation over their heads side by side
         qk = qkv[..., :q_width + self.num_kv_heads * self.head_dim].view(
             batch, length, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -156,7 +157,7 @@ class Attention(nn.Module):
             if attend_to_cache:  # the cache rows of this forward's inputs
                 k, v = (cache_k, cache_v) if rows is None else (cache_k[rows], cache_v[rows])
         out = self.kernel(q, k, v, key_mask)
-        return F.linear(out.transpose(1, 2).reshape(batch, q.shape[2], -1), self.o_proj.weight)
+        return self.o_proj.forward(out.transpose(1, 2).reshape(batch, q.shape[2], -1))
 
 
 class SwiGLU(nn.Module):
@@ -168,8 +169,8 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj.weight).split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj.weight)
+        gate, up = self.gate_up_proj.forward(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj.forward(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

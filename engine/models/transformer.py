@@ -41,6 +41,8 @@ class DiffusionTransformer(nn.Module):
         self.special = special
         self.hf_config = dict(hf_config or {})
         self.attention_backend = "sdpa"
+        self.quantization = "none"  # engine.quantization's mode of the decoder layers' linear layers
+        self.quantized_head = False
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))

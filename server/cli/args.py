@@ -69,6 +69,7 @@ def _shown(value: Any) -> str:
 
 def engine_flag_options() -> dict[str, dict[str, Any]]:
     """The EngineConfig flags every command that loads a model shares (but for their defaults)."""
+    from engine.config import QUANTIZATION_MODES
     from engine.dtype_names import CANONICAL_DTYPES, DTYPE_ALIASES
 
     aliases = [name for name in DTYPE_ALIASES if name not in CANONICAL_DTYPES]
@@ -76,7 +77,13 @@ def engine_flag_options() -> dict[str, dict[str, Any]]:
             "dtype": {"type": str.lower, "choices": tuple(DTYPE_ALIASES),
                       "metavar": "{" + ",".join(CANONICAL_DTYPES) + "}",
                       "help": f"weights and activations; aliases: {', '.join(aliases)}"},
-            "max_batch": {"type": int, "help": "rows decoded together per step"}}
+            "max_batch": {"type": int, "help": "rows decoded together per step"},
+            "quantization": {"choices": QUANTIZATION_MODES,
+                             "help": "weight-only quantization of the transformer layers' linear layers, "
+                                     "applied while loading: int8 (torchao), int4 (bitsandbytes NF4), "
+                                     "fp8 (torchao; CUDA, compute capability 8.9+); see docs/operations.md"},
+            "quantize_head": {"action": argparse.BooleanOptionalAction,
+                              "help": "quantize the output head too (kept in --dtype otherwise)"}}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, names: tuple[str, ...], **dests: str) -> None:

@@ -26,7 +26,7 @@ def add_parser(sub: Any) -> None:
                                       "profile:FILE (a decoding profile, e.g. from `cai-dllm calibrate`)")
     ev.add_argument("--gen-length", type=int, default=128, help="generation canvas of every configuration")
     ev.add_argument("--block-length", type=int, default=32, help="block length of every configuration")
-    add_engine_flags(ev, ("device", "dtype"))
+    add_engine_flags(ev, ("device", "dtype", "quantization", "quantize_head"))
     ev.add_argument("--mix", type=task_mix, help=MIX_HELP)
     ev.add_argument("--json", help="also write the full report to this file")
     ev.set_defaults(func=run)
@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                                     max_batch=args.batch_size))
+                                     max_batch=args.batch_size, quantization=args.quantization,
+                                     quantize_head=args.quantize_head))
     except (CheckpointError, DeviceError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -64,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     mix = args.mix or model_mix(args.model)
     problems = held_out_problems(args.n, args.seed, mix)
     print(f"# {args.n} held-out problems (seed {args.seed}, {args.prompt_form} prompts, mix {format_mix(mix)}) on "
-          f"{hardware()}, model {args.model}", flush=True)
+          f"{hardware()}, model {args.model}, quantization {args.quantization}"
+          f"{' (head too)' if args.quantize_head else ''}", flush=True)
     # one bar over configurations x problems, with its rate and ETA; each configuration's line above it
     with tqdm(total=len(configs) * len(problems), unit="problem", file=sys.stderr, dynamic_ncols=True) as bar:
         reports = evaluate(engine, problems, configs, batch_size=args.batch_size, on_problem=lambda: bar.update(),
@@ -77,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "n": args.n, "seed": args.seed, "prompt_form": args.prompt_form,
-                       "mix": mix,
+                       "mix": mix, "quantization": args.quantization, "quantize_head": args.quantize_head,
                        "hardware": hardware(),
                        "batch_size": args.batch_size, "configs": [r.as_dict() for r in reports]}, f, indent=1)
     return 0

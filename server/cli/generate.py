@@ -16,7 +16,7 @@ def add_parser(sub: Any) -> None:
     gen.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     gen.add_argument("--prompt-ids", action="append", help="comma-separated prompt token ids (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap each --prompt as a user turn of the chat template")
-    add_engine_flags(gen, ("device", "dtype", "max_batch"))
+    add_engine_flags(gen, ("device", "dtype", "max_batch", "quantization", "quantize_head"))
     gen.add_argument("--json", action="store_true", help="print one JSON object per request")
     add_decode_flags(gen)
     gen.set_defaults(func=run)
@@ -29,7 +29,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         params = DecodeParams.from_dict(decode_overrides(args))
-        model = load_model(args.model, device=args.device, dtype=args.dtype)
+        model = load_model(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+                           quantize_head=args.quantize_head)
         tokenizer = None
         try:
             tokenizer = load_tokenizer(args.model)

@@ -26,6 +26,8 @@ def add_parser(sub: Any) -> None:
     add_setting(engine, "device", **options["device"])
     add_setting(engine, "dtype", **options["dtype"])
     add_setting(engine, "max_batch", "--max-num-seqs", **options["max_batch"])
+    add_setting(engine, "quantization", "-q", **options["quantization"])
+    add_setting(engine, "quantize_head", **options["quantize_head"])
     add_setting(engine, "max_model_len", type=int, help="prompt + canvas limit", unset="the model's context")
     add_setting(engine, "use_flash_attn", action=argparse.BooleanOptionalAction,
                  help="FlashAttention kernels", unset="when installed and usable")
