@@ -94,8 +94,8 @@ class AppState:
     def start(self, factory: EngineFactory, on_failure: Optional[Callable[[str], None]] = None) -> None:
         began = time.monotonic()
         settings = self.settings
-        log.info("loading %s on %s (%s, quantization %s%s)", settings.model, settings.device, settings.dtype,
-                 settings.engine.quantization, ", head too" if settings.engine.quantize_head else "")
+        log.info("loading %s on %s (%s), quantization %s%s", settings.model, settings.device, settings.dtype,
+                 settings.engine.quantization, " (head too)" if settings.engine.quantize_head else "")
         try:
             loop = EngineLoop(factory(self.settings), self.settings.max_queue, self.metrics, self.meter)
             template = self.settings.chat_template_text()

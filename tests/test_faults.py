@@ -113,7 +113,7 @@ def test_start_up_says_loading_and_ready():
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
         log = proc.stdout.read()
-    assert f"loading {MODEL} on cpu (float32)" in log and "ready in " in log
+    assert f"loading {MODEL} on cpu (float32), quantization none" in log and "ready in " in log
 
 
 def test_ctrl_c_in_eval_is_a_line_not_a_traceback():
