@@ -56,7 +56,7 @@ def test_serve_flags_take_their_defaults_from_the_settings():
 
 @pytest.mark.parametrize("env", [{"CAI_DLLM_PORT": "x"}, {"CAI_DLLM_MAX_BATCH": "0"},
                                  {"CAI_DLLM_DEFAULT_DECODING": "{bad"}, {"CAI_DLLM_REQUEST_TIMEOUT": "-1"},
-                                 {"CAI_DLLM_ADMISSION_WAIT_MS": "-1"}, {"CAI_DLLM_MAX_MODEL_LEN": "1"},
+                                 {"CAI_DLLM_THREADS": "0"}, {"CAI_DLLM_MAX_MODEL_LEN": "1"},
                                  {"CAI_DLLM_DTYPE": "int8"}, {"CAI_DLLM_LOG_LEVEL": "loud"}])
 def test_bad_settings_are_refused(env):
     with pytest.raises(ValueError):
