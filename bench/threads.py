@@ -31,9 +31,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from server.load_generator import builtin_workload, run_load  # noqa: E402
 from serverproc import running_server  # noqa: E402
 
+from bench.load_generator import builtin_workload, run_load  # noqa: E402
 from engine.cpus import available_cpus  # noqa: E402
 
 
