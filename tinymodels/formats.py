@@ -1,4 +1,4 @@
-"""Writing checkpoints in the official LLaDA and Dream formats (config fields, names, files)."""
+"""Writing checkpoints in the official LLaDA, Dream and SDAR formats (config fields, names, files)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from engine.models.block_transformer import BlockDiffusionTransformer
 from engine.models.transformer import DiffusionTransformer
 from engine.models.weight_names import expected_weights
 
@@ -51,6 +52,26 @@ def dream_config(hidden: int, n_layers: int, n_heads: int, n_kv_heads: int, inte
     }
 
 
+def sdar_config(hidden: int, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, intermediate: int,
+                vocab_size: int, mask_id: int, eos_id: int, block_size: int, max_len: int = 4096,
+                rope_theta: float = 1000000.0) -> dict[str, Any]:
+    """Every field of the released SDAR-8B-Chat config.json, with these sizes and ids, but `auto_map`
+    (see `llada_config`). `block_size` is the block the model is trained with."""
+    return {
+        "architectures": ["SDARForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "attn_implementation": "flex_attention", "bos_token_id": eos_id, "debug": False,
+        "eos_token_id": eos_id, "block_size": block_size, "mask_token_id": mask_id, "ep_size": 1,
+        "fuse_cross_entropy": True, "head_dim": head_dim, "hidden_act": "silu", "hidden_size": hidden,
+        "initializer_range": 0.02, "intermediate_size": intermediate, "max_position_embeddings": max_len,
+        "max_window_layers": n_layers, "micro_forward": False, "model_type": "sdar",
+        "num_attention_heads": n_heads, "num_hidden_layers": n_layers, "num_key_value_heads": n_kv_heads,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": rope_theta, "skip_checkpoint": False,
+        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "float32",
+        "transformers_version": "4.52.4", "use_cache": False, "use_deepep": False,
+        "use_sliding_window": False, "vocab_size": vocab_size,
+    }
+
+
 def generation_config(architecture: str, eos_id: int, mask_id: int) -> dict[str, Any]:
     if architecture == "dream":
         return {"_from_model_config": True, "alg": "entropy", "alg_temp": None, "bos_token_id": eos_id,
@@ -59,7 +80,7 @@ def generation_config(architecture: str, eos_id: int, mask_id: int) -> dict[str,
     return {"_from_model_config": True, "eos_token_id": eos_id}
 
 
-def export_state_dict(model: DiffusionTransformer) -> dict[str, torch.Tensor]:
+def export_state_dict(model: DiffusionTransformer | BlockDiffusionTransformer) -> dict[str, torch.Tensor]:
     """Our parameters under the official checkpoint names (fused q|k|v and gate|up split back)."""
     params = dict(model.named_parameters())
     out: dict[str, torch.Tensor] = {}
@@ -72,8 +93,8 @@ def export_state_dict(model: DiffusionTransformer) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_checkpoint(model: DiffusionTransformer, hf_config: dict[str, Any], gen_config: dict[str, Any],
-                    dest: Path) -> None:
+def save_checkpoint(model: DiffusionTransformer | BlockDiffusionTransformer, hf_config: dict[str, Any],
+                    gen_config: dict[str, Any], dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     (dest / "generation_config.json").write_text(json.dumps(gen_config, indent=2) + "\n")
