@@ -8,6 +8,7 @@ from typing import Any
 
 from engine.errors import CheckpointError
 from engine.models.config import ModelConfig
+from engine.models.config_parsing import config_errors
 from engine.models.transformer import DiffusionTransformer
 
 # Config values this implementation computes; anything else would silently compute another model.
@@ -36,7 +37,7 @@ class LLaDAModel(DiffusionTransformer):
             if hf.get(key) not in allowed:
                 raise CheckpointError(f"LLaDA config field {key}={hf.get(key)!r} is not supported "
                                       f"(supported: {', '.join(map(repr, allowed))})")
-        try:
+        with config_errors("LLaDA"):
             d_model, n_heads = int(hf["d_model"]), int(hf["n_heads"])
             n_kv_heads = hf.get("n_kv_heads")
             if n_kv_heads is None:
@@ -58,7 +59,3 @@ class LLaDAModel(DiffusionTransformer):
                 logits_shifted=False,
                 max_position_embeddings=int(hf.get("max_sequence_length", 4096)),
             )
-        except KeyError as err:
-            raise CheckpointError(f"LLaDA config.json is missing the field {err.args[0]!r}") from None
-        except (TypeError, ValueError) as err:
-            raise CheckpointError(f"LLaDA config.json is invalid: {err}") from None

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.errors import CheckpointError
 from engine.models.block_transformer import BlockDiffusionTransformer
 from engine.models.config import ModelConfig, MoeConfig
+from engine.models.config_parsing import config_errors, hf_sizes, refuse_unsupported
 
 # LLaDA2MoeConfig's class defaults, for a config.json that omits the key (as Hugging Face applies them).
 _DEFAULTS = {"use_qk_norm": True, "use_bias": True, "use_qkv_bias": False, "rms_norm_eps": 1e-5,
@@ -32,14 +32,10 @@ class LLaDA2Model(BlockDiffusionTransformer):
         def get(key: str) -> Any:
             return hf[key] if key in hf else _DEFAULTS[key]
 
-        refused = {"hidden_act": get("hidden_act") != "silu",
-                   "rope_scaling": get("rope_scaling") is not None,
-                   "use_bias": bool(get("use_bias"))}
-        for key, bad in refused.items():
-            if bad:
-                raise CheckpointError(f"LLaDA2 config field {key}={get(key)!r} is not supported")
-        try:
-            heads = int(hf["num_attention_heads"])
+        refuse_unsupported("LLaDA2", {**_DEFAULTS, **hf}, {"hidden_act": get("hidden_act") != "silu",
+                                                           "rope_scaling": get("rope_scaling") is not None,
+                                                           "use_bias": bool(get("use_bias"))})
+        with config_errors("LLaDA2"):
             moe = MoeConfig(
                 num_experts=int(hf["num_experts"]),
                 experts_per_token=int(hf["num_experts_per_tok"]),
@@ -52,12 +48,7 @@ class LLaDA2Model(BlockDiffusionTransformer):
             )
             return ModelConfig(
                 architecture=cls.architecture,
-                hidden_size=int(hf["hidden_size"]),
-                num_layers=int(hf["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-                intermediate_size=int(hf["intermediate_size"]),
-                vocab_size=int(hf["vocab_size"]),
+                **hf_sizes(hf),
                 rms_norm_eps=float(get("rms_norm_eps")),
                 rope_theta=float(hf["rope_theta"]),
                 qkv_bias=bool(get("use_qkv_bias")),
@@ -70,7 +61,3 @@ class LLaDA2Model(BlockDiffusionTransformer):
                 qk_norm=bool(get("use_qk_norm")),
                 moe=moe,
             )
-        except KeyError as err:
-            raise CheckpointError(f"LLaDA2 config.json is missing the field {err.args[0]!r}") from None
-        except (TypeError, ValueError) as err:
-            raise CheckpointError(f"LLaDA2 config.json is invalid: {err}") from None

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.errors import CheckpointError
 from engine.models.block_transformer import BlockDiffusionTransformer
 from engine.models.config import ModelConfig
+from engine.models.config_parsing import config_errors, hf_sizes, refuse_unsupported
 
 # SDARConfig's (Qwen3's) default for a config.json that omits the field.
 _DEFAULT_RMS_NORM_EPS = 1e-6
@@ -24,24 +24,15 @@ class SDARModel(BlockDiffusionTransformer):
 
     @classmethod
     def parse_config(cls, hf: dict[str, Any]) -> ModelConfig:
-        refused = {"hidden_act": hf.get("hidden_act", "silu") != "silu",
-                   "rope_scaling": hf.get("rope_scaling") is not None,
-                   "use_sliding_window": bool(hf.get("use_sliding_window")),
-                   "attention_bias": bool(hf.get("attention_bias"))}
-        for key, bad in refused.items():
-            if bad:
-                raise CheckpointError(f"SDAR config field {key}={hf.get(key)!r} is not supported")
-        try:
-            heads = int(hf["num_attention_heads"])
+        refuse_unsupported("SDAR", hf, {"hidden_act": hf.get("hidden_act", "silu") != "silu",
+                                        "rope_scaling": hf.get("rope_scaling") is not None,
+                                        "use_sliding_window": bool(hf.get("use_sliding_window")),
+                                        "attention_bias": bool(hf.get("attention_bias"))})
+        with config_errors("SDAR"):
             block_size = hf.get("block_size")
             return ModelConfig(
                 architecture=cls.architecture,
-                hidden_size=int(hf["hidden_size"]),
-                num_layers=int(hf["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-                intermediate_size=int(hf["intermediate_size"]),
-                vocab_size=int(hf["vocab_size"]),
+                **hf_sizes(hf),
                 rms_norm_eps=float(hf.get("rms_norm_eps", _DEFAULT_RMS_NORM_EPS)),
                 rope_theta=float(hf["rope_theta"]),
                 qkv_bias=False,
@@ -54,7 +45,3 @@ class SDARModel(BlockDiffusionTransformer):
                 norm_scale_in_float32=True,
                 block_size=int(block_size) if block_size is not None else None,
             )
-        except KeyError as err:
-            raise CheckpointError(f"SDAR config.json is missing the field {err.args[0]!r}") from None
-        except (TypeError, ValueError) as err:
-            raise CheckpointError(f"SDAR config.json is invalid: {err}") from None
