@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Held-out accuracy of the built-in models with float, int8 and int4 weights: the fixed decoder and
-# CAI on the same 1,000 problems (seed 0, chat prompts). Accuracy is deterministic (greedy decoding);
-# tok/s depends on the machine's load, which each output file's header records.
+# CAI on the same 1,000 problems (seed 0, chat prompts, batches of 250 as in docs/benchmarks.md).
+# Accuracy is deterministic (greedy decoding); tok/s depends on the machine's load, which each output file's header records.
 #   bash bench/quant_accuracy.sh                 # both models, all three modes
 #   MODELS="llada-tiny" MODES="int8" N=200 CONFIGS="CAI full, gate on +exit" bash bench/quant_accuracy.sh
 set -euo pipefail
@@ -14,6 +14,7 @@ for model in ${MODELS:-llada-tiny dream-tiny}; do
     out="bench/results/quant_eval_${model}_${mode}_cpu"
     { echo "# load average before: $(cut -d' ' -f1-3 /proc/loadavg); torch threads: ${OMP_NUM_THREADS:-default}"
       "$PY" -m server.cli eval --model "models/$model" --n "$N" --seed 0 --quantization "$mode" \
+        --batch-size "${BATCH:-250}" \
         --configs "$CONFIGS" --json "$out.json"
       echo "# load average after: $(cut -d' ' -f1-3 /proc/loadavg)"; } > "$out.txt"
     cat "$out.txt"
