@@ -98,7 +98,7 @@ def plan_weights(model: DiffusionTransformer, files: list[Path]) -> dict[Path, l
 def release_freed_heap() -> None:
     """Hand the C heap's free pages back to the OS (glibc's malloc_trim; elsewhere nothing). The
     quantizers' temporaries are freed into the heap, where glibc keeps them resident: without this a
-    quantized load ends well above its weights' size (bench/quant_memory.py)."""
+    quantized load ends well above its weights' size (bench/load_memory.py)."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
 
