@@ -110,6 +110,12 @@ class EngineLoop:
         return self.engine.architecture
 
     @property
+    def trained_block_length(self) -> Optional[int]:
+        """The block a block-diffusion checkpoint was trained with (SDAR's `block_size`), which a
+        request that names no block_length decodes with; None for the other models."""
+        return getattr(self.engine.model, "block_size", None) if self.engine.block_causal else None
+
+    @property
     def attention_backend(self) -> str:
         return self.engine.model.attention_backend
 
