@@ -158,9 +158,10 @@ class ServingBase:
         profile = self._profile_knobs(decoding)
         # the server's defaults, then the profile, then the request's own knobs and OpenAI fields
         knobs: dict[str, Any] = {**self._defaults, **profile, **_integral_knobs(decoding)}
-        if knobs.get("block_length") is None and self.loop.trained_block_length:
-            # max_tokens rounds up to whole blocks of the checkpoint's own block, not LLaDA's default
-            knobs["block_length"] = self.loop.trained_block_length
+        if knobs.get("block_length") is None and self.loop.model_block_length:
+            # max_tokens rounds up to whole blocks of the model's own block, as the official decoders
+            # round the canvas (a block of max_tokens would change what the model decodes)
+            knobs["block_length"] = self.loop.model_block_length
         for name in ("temperature", "seed", "top_p", "top_k", "min_p"):
             if getattr(body, name) is not None:
                 knobs[name] = getattr(body, name)
