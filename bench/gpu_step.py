@@ -1,4 +1,5 @@
-"""Time of ONE decoding step of LLaDA-8B and Dream-7B shapes, next to its roofline floor.
+"""Time of ONE decoding step of LLaDA-8B, Dream-7B, SDAR-8B and LLaDA2.0-mini shapes, next to its
+roofline floor.
 
 The models have the real architectures (parsed from the released `config.json` files in
 `shared/fixtures/real/`) with random weights created directly on the device, so no checkpoint is
@@ -13,6 +14,9 @@ steps) and two kinds of step are timed after a warm-up:
 Each row is set against a floor measured in the same run: memory floor = bytes the step must read
 (weights + KV cache) / the device's measured copy bandwidth; compute floor = the step's FLOPs / the
 measured matmul rate; floor = the larger. See docs/performance.md.
+
+SDAR and LLaDA2 decode in the block-causal mode: their rows (cache `exact`; steps `prefill`,
+`denoise`, `next`) are bench/block_step.py's, which says what they time and count.
 
     python bench/gpu_step.py                       # H100/H200: real shapes, bf16
     python bench/gpu_step.py --shapes tiny --device cpu --dtype float32 --prompt-len 64 --gen-len 64 --block 16
@@ -39,13 +43,13 @@ from engine.decoding import DecodeParams
 from engine.engine import Engine
 from engine.loading.checkpoint import CheckpointFiles
 from engine.models.attention import flash_attn_available, sdpa_attention, select_attention
-from engine.models.layers import RMSNorm, RotaryEmbedding
-from engine.models.registry import model_class_for
 from engine.models.transformer import DiffusionTransformer
 from engine.quantization import check_quantization, quantize_linears
 from engine.special_tokens import added_token_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from block_step import BLOCK_MODELS, run_block_model
+from random_models import build_random
 from roofline import CACHED, FULL, ModelDims, measure_rates, step_bytes, step_flops, step_shape, sync
 
 # The shared fixtures beside the repository, or where CAI_DLLM_FIXTURES says (as for the tests).
@@ -59,7 +63,6 @@ TINY_OVERRIDES: dict[str, dict[str, int]] = {
     "dream": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
               "intermediate_size": 688},
 }
-INIT_STD = 0.02
 
 
 # ------------------------------------------------------------------------------ models
@@ -94,39 +97,8 @@ def model_spec(name: str, shapes: str, real_dir: Path = REAL_DIR) -> ModelSpec:
 
 def build_random_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype,
                        seed: int = 0) -> DiffusionTransformer:
-    """The model of `spec` with N(0, 0.02) weights, allocated once on `device` (no CPU copy, no
-    init pass by the constructors: an 8B model takes seconds)."""
-    cls = model_class_for(spec.hf_config)
-    config = cls.parse_config(spec.hf_config)
-    with torch.device("meta"):
-        model = cls(config, spec.checkpoint.special_tokens(), spec.hf_config)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    if config.tie_word_embeddings:  # to_empty gives the head its own storage; tie it again as the loader does
-        model.lm_head.weight = model.embed.weight
-    _reinit_buffers(model, device)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
-        for param in model.parameters():
-            if id(param) in norm_weights:
-                param.fill_(1.0)  # a random norm scale would only rescale activations
-            else:
-                param.normal_(0.0, INIT_STD, generator=generator)
-    model.requires_grad_(False).eval()
-    model.set_attention_kernel(*select_attention(device, dtype, use_flash=False))
-    return model
-
-
-def _reinit_buffers(model: DiffusionTransformer, device: torch.device) -> None:
-    """to_empty leaves buffers uninitialised. The rotary module is rebuilt on the device (today it
-    holds no buffer, but a cos/sin cache would be computed by its constructor); any other buffer is
-    refused rather than timed with garbage in it."""
-    rotary = model.rotary
-    with torch.device(device):
-        model.rotary = RotaryEmbedding(rotary.head_dim, rotary.theta)
-    others = [name for name, _ in model.named_buffers() if not name.startswith("rotary.")]
-    if others:
-        raise RuntimeError(f"buffers this benchmark does not know how to initialise: {others}")
+    """The model of `spec` with random weights on `device` (bench/random_models.py)."""
+    return build_random(spec.hf_config, spec.checkpoint.special_tokens(), device, dtype, seed)
 
 
 def free_model() -> None:
@@ -226,7 +198,9 @@ def time_steps(model: DiffusionTransformer, prompts: list[tuple[int, ...]], cach
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", choices=("real", "tiny"), default="real")
-    parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
+    parser.add_argument("--models", nargs="+", choices=(*MODELS, *BLOCK_MODELS), default=[*MODELS, *BLOCK_MODELS],
+                        help="sdar and llada2 run the block-causal step (bench/block_step.py); --caches, "
+                             "--gen-len and --quantization apply to llada and dream only")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--prompt-len", type=int, default=512)
@@ -277,7 +251,7 @@ def _device_name(device: torch.device) -> str:
 
 
 # (name, width, format of a value); text columns are left-aligned, numbers right-aligned.
-_COLUMNS = (("model", 6, "s"), ("quant", 5, "s"), ("batch", 5, "d"), ("cache", 6, "s"), ("step", 6, "s"),
+_COLUMNS = (("model", 6, "s"), ("quant", 5, "s"), ("batch", 5, "d"), ("cache", 6, "s"), ("step", 7, "s"),
             ("attn", 10, "s"),
             ("step_ms", 10, ".3f"), ("fed_tok", 7, "d"), ("tok_per_s", 11, ".0f"), ("mem_floor_ms", 12, ".3f"),
             ("comp_floor_ms", 13, ".3f"), ("floor_ms", 10, ".3f"), ("step/floor", 10, ".2f"))
@@ -338,7 +312,7 @@ def _run(args: argparse.Namespace, argv_shown: list[str]) -> None:
 
     for mode in args.quantization:
         check_quantization(mode, device, dtype)
-    for name, quant in [(name, mode) for name in args.models for mode in args.quantization]:
+    for name, quant in [(name, mode) for name in args.models if name in MODELS for mode in args.quantization]:
         spec = model_spec(name, args.shapes, args.real_dir)
         start = time.perf_counter()
         model = build_random_model(spec, device, dtype, args.seed)
@@ -379,6 +353,10 @@ def _run(args: argparse.Namespace, argv_shown: list[str]) -> None:
                                            1e3 * floor_s, step_s / floor_s)), flush=True)
         model.set_attention_kernel("sdpa", sdpa_attention)
         del model
+        free_model()
+    for name in (name for name in args.models if name in BLOCK_MODELS):
+        run_block_model(name, args, device, dtype, rates, lambda row: print(_format_row(row), flush=True),
+                        random_prompts)
         free_model()
 
 

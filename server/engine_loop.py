@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from engine import Engine, GenerationRequest, GenerationResult, StepOutput
+from engine.decoding.params import DEFAULT_BLOCK_LENGTH
 from engine.decoding.types import TokenLogprob
 from engine.scoring import ScoringJob
 from server.energy import EnergyMeter, share_energy
@@ -108,6 +109,15 @@ class EngineLoop:
     @property
     def architecture(self) -> str:
         return self.engine.architecture
+
+    @property
+    def model_block_length(self) -> Optional[int]:
+        """The block a block-diffusion model decodes a request that names no block_length with: the
+        block it was trained with (SDAR's `block_size`), else the official decoders' 32 (LLaDA2's
+        config names none); None for the other models, whose block follows the canvas."""
+        if not self.engine.block_causal:
+            return None
+        return getattr(self.engine.model, "block_size", None) or DEFAULT_BLOCK_LENGTH
 
     @property
     def attention_backend(self) -> str:

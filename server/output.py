@@ -22,10 +22,14 @@ _CONTEXT_TOKENS = 6
 
 
 def finish_reason_of(engine_reason: str, stopped_by_string: bool, cut_at_max_tokens: bool = False) -> str:
-    """The one mapping from engine outcomes to OpenAI's finish_reason."""
+    """The one mapping from engine outcomes to OpenAI's finish_reason. A stop string is found in the
+    text of the first max_tokens tokens only, so it wins over max_tokens when the same delta brings
+    both (a block-diffusion model's whole block does)."""
+    if stopped_by_string:
+        return "stop"
     if cut_at_max_tokens:
         return "length"
-    if stopped_by_string or engine_reason == "stop":
+    if engine_reason == "stop":
         return "stop"
     if engine_reason == "length":
         return "length"

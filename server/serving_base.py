@@ -61,6 +61,8 @@ _OPENAI_KNOBS = ("temperature", "seed", "top_p", "top_k", "min_p", "ignore_eos",
 # How often a request waiting on the engine checks whether its client is still there.
 DISCONNECT_POLL_SECONDS = 0.25
 _INT_KNOBS = frozenset(name for name, (kind, _) in field_types().items() if kind is int)
+# The request field each decode parameter comes from, for an engine refusal that names the parameter
+_KNOB_FIELDS = {name: name if name in _OPENAI_KNOBS else f"decoding.{name}" for name in field_types()}
 GenerateRequest = Union[CompletionRequest, ChatCompletionRequest]
 
 
@@ -156,6 +158,10 @@ class ServingBase:
         profile = self._profile_knobs(decoding)
         # the server's defaults, then the profile, then the request's own knobs and OpenAI fields
         knobs: dict[str, Any] = {**self._defaults, **profile, **_integral_knobs(decoding)}
+        if knobs.get("block_length") is None and self.loop.model_block_length:
+            # max_tokens rounds up to whole blocks of the model's own block, as the official decoders
+            # round the canvas (a block of max_tokens would change what the model decodes)
+            knobs["block_length"] = self.loop.model_block_length
         for name in ("temperature", "seed", "top_p", "top_k", "min_p"):
             if getattr(body, name) is not None:
                 knobs[name] = getattr(body, name)
@@ -233,7 +239,8 @@ class ServingBase:
         except (QueueFull, RequestError) as err:
             if isinstance(err, RequestError) and err.code == CONTEXT_LENGTH_EXCEEDED:
                 raise engine_error(err, self._context_param(body, max(map(len, prompts)), max_tokens)) from None
-            raise engine_error(err, self.prompt_field, {"gen_length": "max_tokens", "logprobs": self.logprobs_field},
+            raise engine_error(err, self.prompt_field,
+                               {**_KNOB_FIELDS, "gen_length": "max_tokens", "logprobs": self.logprobs_field},
                                retry_after=self.loop.retry_after()) from None
         return choices, queue
 

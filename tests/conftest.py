@@ -41,3 +41,20 @@ def llada_copy(tmp_path: Path) -> Path:
     dest = tmp_path / "llada"
     shutil.copytree(FIXTURES / "llada_tiny", dest)
     return dest
+
+
+@pytest.fixture(scope="session")
+def sdar_dir(tmp_path_factory) -> Path:
+    """A small random-weight SDAR checkpoint (trained block 8) on the character tokenizer."""
+    from blockcheckpoints import write_sdar
+
+    return write_sdar(tmp_path_factory.mktemp("sdar") / "sdar-random")
+
+
+@pytest.fixture(scope="session")
+def llada2_dir(tmp_path_factory) -> Path:
+    """A small random-weight LLaDA2 MoE, the parity fixture's layout, on the character tokenizer."""
+    from blockcheckpoints import write_llada2
+
+    return write_llada2(tmp_path_factory.mktemp("llada2") / "llada2-random",
+                        FIXTURES / "block" / "llada2" / "llada2_tiny" / "config.json")

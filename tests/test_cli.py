@@ -144,3 +144,17 @@ def test_help_does_not_wait_for_torch_and_every_option_says_what_it_does():
         shown = formatter._get_help_string(action)
         if action.option_strings and not action.required and action.default is not None:
             assert "default" in shown, f"{path} {action.option_strings} does not show its default"
+
+
+def test_inspect_block_diffusion_checkpoints(fixtures, llada2_dir):
+    """Both block families from the command line: the real SDAR-8B-Chat metadata (no weights here) and
+    a complete random LLaDA2 MoE checkpoint (special ids from its generation config)."""
+    sdar = _run("inspect", "--json", str(fixtures / "real" / "sdar-8b-chat"))
+    assert sdar.returncode == 0, sdar.stderr
+    report = json.loads(sdar.stdout)
+    assert report["architecture"] == "SDAR" and report["block_size"] == 4 and report["parameters"] == 8_190_735_360
+    assert "block-causal" in report["attention"] and report["special_ids"]["mask"] == 151669
+    llada2 = _run("inspect", str(llada2_dir))
+    assert llada2.returncode == 0, llada2.stderr
+    assert "LLaDA2" in llada2.stdout and "'mask': 97" in llada2.stdout and "'status': 'ok'" in llada2.stdout
+    assert "8 routed, 2 per token" in llada2.stdout

@@ -29,6 +29,7 @@ def _load_bench():
 
 
 gpu_step = _load_bench()
+block_step = sys.modules["block_step"]  # imported by gpu_step from bench/
 
 # hidden 8, 1 layer, 2 heads of 4, SwiGLU 16, vocabulary 32.
 # LLaDA, untied, no biases: qkv 8*24 + o 8*8 + gate|up 8*32 + down 16*8 + 2 norms 8 = 656 a layer, + final
@@ -117,7 +118,7 @@ def test_prompt_ids_stay_below_every_special_and_added_id(fixtures: Path):
 def test_tiny_cpu_run_prints_every_row(capsys, fixtures: Path):
     gpu_step.main(["--real-dir", str(fixtures / "real"), "--shapes", "tiny", "--device", "cpu",
                    "--dtype", "float32", "--prompt-len", "16", "--gen-len", "32", "--block", "8",
-                   "--batches", "1", "2", "--repeats", "2",
+                   "--models", "llada", "dream", "--batches", "1", "2", "--repeats", "2",
                    "--cached-steps", "2", "--copy-mib", "16", "--matmul-n", "256",
                    # one thread: a shared CI core is not slowed tenfold by threads waiting on each other
                    "--threads", "1"])
@@ -163,3 +164,90 @@ def test_quantization_switch_runs_each_mode_and_lowers_the_memory_floor(capsys, 
         floors.setdefault(cells["step"], {})[cells["quant"]] = float(cells["mem_floor_ms"])
     for by_mode in floors.values():
         assert by_mode["int4"] < by_mode["int8"] < by_mode["none"]
+
+
+# ------------------------------------------------------------------------------ block-diffusion models
+
+# LLaDA2 by hand: hidden 8, 2 layers (the first dense), 2 query heads and 1 KV head of 4, dense SwiGLU 16,
+# 4 routed experts (top 2, 2 groups, 1 group kept) and 1 shared expert of 4, vocabulary 32, QK-norm, fp32.
+# Attention 8*16 + 8*8 + norms 4+4+8+8 = 216 a layer. Layer 0: + gate|up 8*32 + down 16*8 = 600.
+# Layer 1: + router 4*8 + bias 4 + 4 experts * 3*8*4 + shared 3*8*4 = 732. Final norm 8: body 1340.
+# A token skips 2 experts of 96: it runs 1340 - 192 = 1148 body params, 540 of the last layer.
+LLADA2_TINY = {"hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+               "head_dim": 4, "intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2, "n_group": 2,
+               "topk_group": 1, "moe_intermediate_size": 4, "num_shared_experts": 1, "first_k_dense_replace": 1,
+               "vocab_size": 32}
+
+
+def _tiny_llada2(fixtures: Path):
+    from engine.models.llada2 import LLaDA2Model
+
+    hf = {**json.loads((fixtures / "block" / "llada2" / "llada2_tiny" / "config.json").read_text()), **LLADA2_TINY}
+    return LLaDA2Model(LLaDA2Model.parse_config(hf), SpecialTokens(mask_id=31, eos_ids=(30,), pad_id=30), hf)
+
+
+def test_block_dims_count_the_experts_a_token_runs_and_the_step_touched(fixtures: Path):
+    model = _tiny_llada2(fixtures)
+    full = gpu_step.ModelDims.of(model)
+    assert (full.body_params, full.layer_params, full.kv_proj_params) == (1340, 732, 64)
+    dims = block_step.block_dims(model, experts_touched=3)
+    assert (dims.body_params, dims.layer_params) == (1148, 540)
+    assert dims.body_bytes == (1340 - 4 * 96 + 3 * 96) * 4  # dense and shared weights, 3 routed experts
+
+
+def test_block_step_flops_and_bytes_by_hand(fixtures: Path):
+    dims = block_step.block_dims(_tiny_llada2(fixtures), experts_touched=3)
+    # prompt 8 (two blocks of 4), batch 2
+    prefill, denoise, next_ = (block_step.block_step_shape(kind, 2, prompt_len=8, block=4)
+                               for kind in (block_step.PREFILL, block_step.DENOISE, block_step.NEXT))
+    assert (prefill.start, prefill.fed, denoise.start, denoise.fed, next_.start, next_.fed) == (0, 12, 8, 4, 8, 8)
+    # block-causal: positions of block j see 4 (j + 1) keys
+    assert prefill.keys_seen(range(12)) == 4 * 4 + 4 * 8 + 4 * 12
+    assert next_.keys_seen(range(8, 16)) == 4 * 12 + 4 * 16
+    # denoise: every fed position is a logit position. 2 rows x 2 x (1148 - 484 fed-only + 484 + 256 head) x 4,
+    # 484 = the last layer's 540 - 64 k/v projection params + the final norm's 8; attention 4 x 2 x 8 wide x
+    # (1 layer x 48 keys + 48 keys)
+    assert block_step.block_step_flops(dims, denoise) == 2 * 2 * (664 * 4 + 740 * 4) + 4 * 2 * 8 * (48 + 48)
+    # the weights read, 8 embedding rows of 8, and 8 cached columns x 2 rows x (k, v) x 4 wide x 2 layers
+    assert block_step.block_step_bytes(dims, denoise) == (1244 + 256 + 8 * 8) * 4 + 8 * 2 * 2 * 4 * 2 * 4
+
+
+def test_block_real_shapes_have_the_released_sizes(fixtures: Path):
+    sizes = {}
+    for name in block_step.BLOCK_MODELS:
+        spec = block_step.block_spec(name, "real", fixtures / "real")
+        cls = model_class_for(spec.hf_config)
+        with torch.device("meta"):
+            model = cls(cls.parse_config(spec.hf_config), spec.special, spec.hf_config).to(torch.bfloat16)
+        sizes[name] = sum(p.numel() for p in model.parameters())
+        assert spec.token_limit <= min(spec.special.mask_id, *spec.special.eos_ids)
+        if name == "llada2":
+            c = model.config  # 20 layers, the first dense; 256 experts of 3 x 2048 x 512, one shared
+            attention = 2048 * (16 + 2 * 4) * 128 + 16 * 128 * 2048 + 2 * 128 + 2 * 2048
+            moe = 256 * 2048 + 256 + 257 * 3 * 2048 * 512
+            assert (c.num_layers, c.moe.num_experts, c.vocab_size) == (20, 256, 157184)
+            assert sizes[name] == 20 * attention + 3 * 2048 * 5120 + 19 * moe + 2048 + 2 * 157184 * 2048
+    index = json.loads((fixtures / "real" / "sdar-8b-chat" / "model.safetensors.index.json").read_text())
+    assert sizes["sdar"] * 2 == index["metadata"]["total_size"]
+
+
+def test_tiny_cpu_run_prints_the_block_rows(capsys, fixtures: Path):
+    gpu_step.main(["--real-dir", str(fixtures / "real"), "--shapes", "tiny", "--device", "cpu",
+                   "--dtype", "float32", "--prompt-len", "16", "--block", "8", "--models", "sdar", "llada2",
+                   "--batches", "1", "2", "--repeats", "1", "--cached-steps", "2", "--copy-mib", "16",
+                   "--matmul-n", "256", "--threads", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert not [line for line in lines if "warning" in line]  # the engine fed what the floor counts
+    touched = [line for line in lines if "routed experts touched per MoE layer" in line]
+    assert len(touched) == 2 * 3 and not [line for line in lines if line.startswith("# sdar batch")]
+    header, *rows = [line.split() for line in lines if not line.startswith("#")]
+    fed_per_row = {"prefill": 16 + 8, "denoise": 8, "next": 2 * 8}
+    seen = set()
+    for row in rows:
+        cells = dict(zip(header, row, strict=True))
+        key = (cells["model"], int(cells["batch"]), cells["step"])
+        seen.add(key)
+        assert cells["cache"] == "exact" and int(cells["fed_tok"]) == key[1] * fed_per_row[key[2]], key
+        for column in ("step_ms", "tok_per_s", "mem_floor_ms", "comp_floor_ms", "floor_ms", "step/floor"):
+            assert math.isfinite(float(cells[column])) and float(cells[column]) > 0, (key, column)
+    assert seen == {(m, b, k) for m in ("sdar", "llada2") for b in (1, 2) for k in fed_per_row}

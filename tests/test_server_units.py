@@ -136,6 +136,12 @@ def test_choice_output_cuts_at_the_end_token_and_at_a_stop_string_across_deltas(
     at_once.add([25])
     at_once.finish(None)
     assert at_once.text == "" and at_once.completion_tokens(len) == 1
+
+    # one delta that reaches max_tokens with a stop string inside them: the stop string ends it
+    block = ChoiceOutput(3, "u", [1], _CharTokenizer(), end_ids={25}, stops=["cd"], max_tokens=6)
+    block.add([0, 1, 2, 3, 4, 5, 6, 7])
+    block.finish(None)
+    assert block.text == "ab" and block.finish_reason == "stop" and block.completion_tokens(len) == 2
     cut = ChoiceOutput(3, "u", [1], _CharTokenizer(), end_ids={25}, stops=[], max_tokens=2)
     cut.add([0, 1, 25])  # the end token would be the third token: cut at max_tokens, never generated
     cut.finish(None)
