@@ -39,6 +39,7 @@ def advance_block_causal(request: Request, info: RowSummary, storing: bool) -> O
     stats.tokens_per_step.append(info.committed)
     stats.forced_commits += info.forced
     stats.grinding_exits += info.grinding_exit
+    stats.token_edits += info.edited
     if request.step == 0:
         bands = stats.first_step_confidence_bands
         bands[0] += info.band_high

@@ -27,7 +27,7 @@ from engine.batch import Batch
 from engine.config import EngineConfig
 from engine.cpus import default_threads
 from engine.decoding.decide import decide_step
-from engine.decoding.params import EDIT_POLICIES, DecodeParams, resolve_defaults
+from engine.decoding.params import EDIT_POLICIES, DecodeParamError, DecodeParams, resolve_defaults
 from engine.decoding.types import GenerationRequest, GenerationResult
 from engine.dual_graphs import DualStepGraphs
 from engine.errors import CheckpointError, RequestError
@@ -126,7 +126,10 @@ class Engine:
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise RequestError(f"at most {self.config.max_logprobs} top logprobs per token can be returned "
                                f"(--max-logprobs), got {params.logprobs}", param="logprobs", code="invalid_decoding")
-        params = self.default_params(params)
+        try:
+            params = self.default_params(params)
+        except DecodeParamError as err:  # a knob that conflicts with this model's defaults
+            raise RequestError(str(err), param=err.param, code="invalid_decoding") from err
         self._check_mode(params)
         total = len(prompt_ids) + params.gen_length
         if self.block_causal:  # the canvas ends on a block boundary

@@ -252,8 +252,9 @@ def resolve_defaults(params: DecodeParams, architecture: str) -> DecodeParams:
     """Fill the fields whose default depends on the model (paper: gating on for LLaDA, off for Dream;
     block-diffusion models decode against their exact cache unless their mask cannot be cached)."""
     updates: dict[str, Any] = {}
-    if params.cache is None:
-        exact = architecture in BLOCK_ARCHITECTURES and params.block_attention == "block_causal"
+    if params.cache is None:  # (guidance cannot be cached: left to the model's mode to accept or refuse)
+        exact = (architecture in BLOCK_ARCHITECTURES and params.block_attention == "block_causal"
+                 and params.cfg_scale == 0)
         updates["cache"] = "exact" if exact else "none"
     if params.gating is None:
         updates["gating"] = architecture in GATED_ARCHITECTURES
