@@ -49,7 +49,7 @@ def logits_difference(model: BlockDiffusionTransformer, run: dict) -> tuple[floa
     block = run["settings"]["block_length"]
     worst, differ, seen = 0.0, 0, 0
     for window in run["trace_model_inputs_then_final"][:run["nfe"]]:
-        ids = torch.tensor(window)
+        ids = torch.tensor(window).reshape(1, -1)  # batch 1
         additive = model(ids, block_size=block, mask="additive_01")[:, -block:]
         causal = model(ids, block_size=block, mask="block_causal")[:, -block:]
         worst = max(worst, (additive - causal).abs().max().item())
@@ -75,7 +75,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fixtures", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "fixtures")
     args = parser.parse_args()
-    family = args.fixtures / "block" / "llada2"
+    family = args.fixtures.resolve() / "block" / "llada2"
     runs = {p.stem: json.loads(p.read_text()) for p in sorted((family / "golden").glob("*.json"))}
     official = {name: run for name, run in runs.items() if run["code_version"] == "v21p"}
     torch.set_num_threads(1)
@@ -112,7 +112,7 @@ def main() -> None:
             a, b = additive.generated_ids, exact.generated_ids
             golden = run["returned_ids"][0]
             matches = a[:len(golden)] == golden and additive.stats.nfe == run["nfe"]
-            print(f"{name:44} {_agreement(a, b):>7} {additive.stats.nfe:12d} {exact.stats.nfe:9d} {str(matches):>8}")
+            print(f"{name:44} {_agreement(a, b):>7} {additive.stats.nfe:12d} {exact.stats.nfe:9d} {matches!s:>8}")
         print(f"\ntorch {torch.__version__}, CPU, float32, 1 thread")
 
 
