@@ -61,6 +61,9 @@ _OPENAI_KNOBS = ("temperature", "seed", "top_p", "top_k", "min_p", "ignore_eos",
 # How often a request waiting on the engine checks whether its client is still there.
 DISCONNECT_POLL_SECONDS = 0.25
 _INT_KNOBS = frozenset(name for name, (kind, _) in field_types().items() if kind is int)
+# a knob the engine refuses for this model (a block-diffusion knob on LLaDA, ...) is named as the
+# request field it came from
+_KNOB_FIELDS = {name: f"decoding.{name}" for name in field_types() if name not in _OPENAI_KNOBS}
 GenerateRequest = Union[CompletionRequest, ChatCompletionRequest]
 
 
@@ -233,7 +236,8 @@ class ServingBase:
         except (QueueFull, RequestError) as err:
             if isinstance(err, RequestError) and err.code == CONTEXT_LENGTH_EXCEEDED:
                 raise engine_error(err, self._context_param(body, max(map(len, prompts)), max_tokens)) from None
-            raise engine_error(err, self.prompt_field, {"gen_length": "max_tokens", "logprobs": self.logprobs_field},
+            raise engine_error(err, self.prompt_field, {**_KNOB_FIELDS, "gen_length": "max_tokens",
+                                                        "logprobs": self.logprobs_field},
                                retry_after=self.loop.retry_after()) from None
         return choices, queue
 
