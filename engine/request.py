@@ -31,7 +31,8 @@ class StepOutput:
     """What one step did for one row.
 
     `new_token_ids` are the generated tokens that became final since the row's last output (no
-    mask before them), up to and including the first end token; concatenated over a request's
+    mask before them; for `block-edit`, whose edits may change a committed token until its block
+    ends, the tokens of blocks that have ended), up to and including the first end token; concatenated over a request's
     outputs they are its response followed by its end token, if any (with `ignore_eos`, every
     generated token). `new_logprobs` are their logprobs when the request asked for them (else
     empty). `fed_tokens` is the row's
