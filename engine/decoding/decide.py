@@ -178,6 +178,7 @@ def decide_step(batch: Batch, tables: DecodeTables, logits: torch.Tensor, block_
         fill = edit_rows & (batch.step + 1 >= i["max_steps_per_block"])
         x0 = torch.where(fill[:, None], predict_unmasked(logits, mask_id), x0)
         commit = commit | (fill[:, None] & candidates)
+        edit = edit & (x0 != block_tokens)  # an edit to the mask id that the fill turned back
     if batch.commit_first:  # Fast-dLLM's Dream block decoder: a block's first forward commits its first token
         first = torch.zeros_like(candidates)
         first[:, 0] = True
