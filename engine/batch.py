@@ -63,6 +63,7 @@ class Batch:
     logprob_k: int  # top alternatives to report (the most any row asks); -1: no row wants logprobs
     at_block_start: bool  # some row is at its block's first step
     commit_first: bool  # some row commits its block's first token alone this step
+    edit_fill: bool  # some block-edit row is at its block's step limit (it fills the block)
     slot_range: Optional[slice]  # the slots as a range when consecutive: KV store views, not copies
 
     @classmethod
@@ -84,6 +85,7 @@ class Batch:
                    logprob_k=max((r.params.logprobs for r in requests if r.params.logprobs is not None), default=-1),
                    at_block_start=any(r.step == 0 for r in requests),
                    commit_first=any(row[STEP_FIELDS.index("commit_first_only")] for row in rows),
+                   edit_fill=any(r.at_step_limit for r in requests),
                    slot_range=slice(first, first + len(requests)) if consecutive else None)
 
     def __len__(self) -> int:

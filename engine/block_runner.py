@@ -1,5 +1,6 @@
 """The block-diffusion forwards of the model runner: each row denoises its current block against
-its exact cache (`BlockDiffusionTransformer.forward_cached` over the slot's row of the KV store).
+its exact cache (`BlockDiffusionTransformer.forward_cached` over the slot's row of the KV store),
+or, without a cache (`cache="none"`), by a full forward of its window.
 
 A row's cache holds its positions [0, cache_start), whole blocks only. A denoising forward feeds
 the row's tokens from cache_start to its block's end: the clean tokens not cached yet (the prompt's
@@ -8,7 +9,12 @@ of the block and their keys/values, exact because block-causal attention never l
 block, are written as they go. SDAR's store pass (`DecodeParams.store_pass`) feeds only those
 clean tokens, as the official decoder's extra forward does, and its logits are never read.
 
-Rows that share a forward share its block size and fed length: the runner groups them (`group`).
+A window forward feeds positions [0, block end) (the prompt, the finished blocks and the block) with
+the row's attention mask, as LLaDA2's official `generate()` does at every step: the baseline of the
+exact cache, and the only way to run LLaDA2.1's additive 0/1 mask, under which finished blocks
+attend to the current block and so cannot be cached.
+
+Rows that share a forward share its block size, fed length (and mask): the runner groups them (`group`).
 """
 
 from __future__ import annotations
@@ -19,18 +25,30 @@ import torch
 
 from engine.models.block_transformer import BlockCache, BlockDiffusionTransformer
 from engine.models.kv_cache import KVStore
-from engine.request import FORWARD_STORE, Request
+from engine.request import FORWARD_STORE, FORWARD_WINDOW, Request
 
 
 def fed_length(request: Request) -> int:
-    """Tokens the row feeds this step: its uncached clean tokens, and its block unless storing."""
-    end = request.block_start + (0 if request.forward_kind() == FORWARD_STORE else request.block_length)
-    return end - request.cached
+    """Tokens the row feeds this step: its uncached clean tokens, and its block unless storing (its
+    whole window without a cache)."""
+    kind = request.forward_kind()
+    end = request.block_start + (0 if kind == FORWARD_STORE else request.block_length)
+    return end if kind == FORWARD_WINDOW else end - request.cached
 
 
-def group(request: Request) -> tuple[str, int, int]:
+def group(request: Request) -> tuple:
     """Rows with the same key run one forward."""
-    return request.forward_kind(), request.block_length, fed_length(request)
+    kind = request.forward_kind()
+    if kind == FORWARD_WINDOW:
+        return kind, request.block_length, fed_length(request), request.params.block_attention
+    return kind, request.block_length, fed_length(request)
+
+
+def _block_logits_at(block_length: int, length: int, rows: int, width: int, device: torch.device) -> torch.Tensor:
+    """[rows, width]: the fed index of each block position (the block is the last `block_length` fed
+    tokens; past a narrower block, a position never read)."""
+    p = torch.arange(width, device=device)
+    return torch.where(p < block_length, length - block_length + p, 0).expand(rows, -1)
 
 
 def prepare_block_forward(model: BlockDiffusionTransformer, canvas: torch.Tensor, store: KVStore,
@@ -38,17 +56,32 @@ def prepare_block_forward(model: BlockDiffusionTransformer, canvas: torch.Tensor
                           width: int) -> Callable[[], torch.Tensor]:
     """The rows' forward (one `group`), returning logits [R, width, V] at their block positions
     (a store pass returns some row's logits there: no decision reads them)."""
-    kind, block_length, length = group(requests[0])
+    kind, block_length, length = group(requests[0])[:3]
+    if kind == FORWARD_WINDOW:
+        return _prepare_window_forward(model, canvas, requests, slots, width)
     positions = torch.arange(length, device=canvas.device)
     ids = canvas[slots[:, None], cache_start[:, None] + positions]
     cache = BlockCache(store, cache_start, rows=slots, width=max(r.cached for r in requests) + length)
-    p = torch.arange(width, device=canvas.device)
     if kind == FORWARD_STORE:
         at = torch.zeros(len(requests), width, dtype=torch.long, device=canvas.device)
-    else:  # the block is the last block_length fed tokens; past a narrower block: a position never read
-        at = torch.where(p < block_length, length - block_length + p, 0).expand(len(requests), -1)
+    else:
+        at = _block_logits_at(block_length, length, len(requests), width, canvas.device)
 
     def forward() -> torch.Tensor:
         return model.forward_cached(ids, cache, block_size=block_length, logits_at=at)
+
+    return forward
+
+
+def _prepare_window_forward(model: BlockDiffusionTransformer, canvas: torch.Tensor, requests: list[Request],
+                            slots: torch.Tensor, width: int) -> Callable[[], torch.Tensor]:
+    """The rows' windows [0, block end) through the full forward with their mask; no cache is read
+    or written."""
+    _, block_length, length, mask = group(requests[0])
+    ids = canvas[slots, :length]
+    at = _block_logits_at(block_length, length, len(requests), width, canvas.device)
+
+    def forward() -> torch.Tensor:
+        return model(ids, block_size=block_length, mask=mask, logits_at=at)
 
     return forward

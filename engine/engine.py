@@ -27,7 +27,7 @@ from engine.batch import Batch
 from engine.config import EngineConfig
 from engine.cpus import default_threads
 from engine.decoding.decide import decide_step
-from engine.decoding.params import DecodeParams, resolve_defaults
+from engine.decoding.params import EDIT_POLICIES, DecodeParamError, DecodeParams, resolve_defaults
 from engine.decoding.types import GenerationRequest, GenerationResult
 from engine.dual_graphs import DualStepGraphs
 from engine.errors import CheckpointError, RequestError
@@ -126,7 +126,10 @@ class Engine:
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise RequestError(f"at most {self.config.max_logprobs} top logprobs per token can be returned "
                                f"(--max-logprobs), got {params.logprobs}", param="logprobs", code="invalid_decoding")
-        params = self.default_params(params)
+        try:
+            params = self.default_params(params)
+        except DecodeParamError as err:  # a knob that conflicts with this model's defaults
+            raise RequestError(str(err), param=err.param, code="invalid_decoding") from err
         self._check_mode(params)
         total = len(prompt_ids) + params.gen_length
         if self.block_causal:  # the canvas ends on a block boundary
@@ -141,19 +144,28 @@ class Engine:
     def _check_mode(self, params: DecodeParams) -> None:
         """RequestError for a knob that this model's decoding mode does not have."""
         if not self.block_causal:
-            if params.store_pass:
-                raise RequestError("store_pass applies to block-diffusion models only", param="store_pass",
-                                   code="invalid_decoding")
+            block_only = {"store_pass": params.store_pass, "cache": params.cache == "exact",
+                          "block_attention": params.block_attention != "block_causal",
+                          "policy": params.policy in EDIT_POLICIES, "eos_early_stop": params.eos_early_stop}
+            for name, bad in block_only.items():
+                if bad:
+                    raise RequestError(f"{name}={getattr(params, name)!r} applies to block-diffusion models only "
+                                       f"({self.model.display_name} is not one; docs/decoding.md)", param=name,
+                                       code="invalid_decoding")
             return
-        unsupported = {"cache": params.cache != "none", "refresh_interval": params.refresh_interval > 0,
+        unsupported = {"cache": params.cache not in ("exact", "none"), "refresh_interval": params.refresh_interval > 0,
                        "cfg_scale": params.cfg_scale > 0,
                        "commit_first_at_block_start": params.commit_first_at_block_start,
                        "policy": params.policy.startswith("dream-")}
         for name, bad in unsupported.items():
             if bad:
                 raise RequestError(f"{name}={getattr(params, name)!r} is not available for block-diffusion models "
-                                   f"({self.model.display_name}): they always decode against their exact block "
-                                   f"cache (docs/decoding.md)", param=name, code="invalid_decoding")
+                                   f"({self.model.display_name}): they decode against their exact block cache "
+                                   f"(cache 'exact') or re-run their window (cache 'none'; docs/decoding.md)",
+                                   param=name, code="invalid_decoding")
+        if params.store_pass and params.cache == "none":
+            raise RequestError("store_pass writes a finished block into the exact cache: it needs cache='exact'",
+                               param="store_pass", code="invalid_decoding")
 
     def add_request(self, prompt_ids: Sequence[int], params: Optional[DecodeParams] = None,
                     request_id: Optional[str] = None, queued_at: Optional[float] = None) -> str:

@@ -6,7 +6,9 @@ Each row takes part in exactly one forward per step:
 - dual (Fast-dLLM's DualCache): only the row's block; prefix: the block and everything after it.
   Dream also feeds the position before the block, whose output predicts the block's first token.
   These write the fed positions into the rows' slots and attend over their caches: a view of the
-  store when the rows hold consecutive slots, else each layer reads the rows out of it.
+  store when the rows hold consecutive slots, else each layer reads the rows out of it;
+- block-diffusion rows (`engine.block_runner`): the block against the row's exact cache, SDAR's
+  store pass, or without a cache the whole window [0, block end).
 This is the one place for speed tricks (CUDA graphs: `engine.dual_graphs`); the decisions
 (`engine.decoding.decide`) and the bookkeeping (`engine.scheduler`) never see a store.
 """
@@ -25,7 +27,15 @@ from engine.batch import Batch
 from engine.dual_graphs import DualStepGraphs
 from engine.models.kv_cache import CacheWrite, KVStore
 from engine.models.transformer import DiffusionTransformer
-from engine.request import FORWARD_BLOCK, FORWARD_DUAL, FORWARD_FULL, FORWARD_PREFIX, FORWARD_STORE, Request
+from engine.request import (
+    FORWARD_BLOCK,
+    FORWARD_DUAL,
+    FORWARD_FULL,
+    FORWARD_PREFIX,
+    FORWARD_STORE,
+    FORWARD_WINDOW,
+    Request,
+)
 from engine.slots import Slots
 
 
@@ -128,7 +138,7 @@ class ModelRunner:
                  width: int) -> Callable[[], torch.Tensor]:
         """The rows' forward of kind `key[0]` with its inputs built: called, it runs and returns the logits."""
         kind = key[0]
-        if kind in (FORWARD_BLOCK, FORWARD_STORE):
+        if kind in (FORWARD_BLOCK, FORWARD_STORE, FORWARD_WINDOW):
             return block_runner.prepare_block_forward(self.model, self.slots.canvas, self.slots.store, rows.requests,
                                                       rows.slots, rows.cache_start, width)
         if kind == FORWARD_FULL:

@@ -15,14 +15,15 @@ from typing import Optional
 
 import torch
 
-from engine.decoding.params import BLOCK_SCHEDULE_POLICIES, DecodeParams
+from engine.decoding.params import BLOCK_SCHEDULE_POLICIES, EDIT_POLICIES, DecodeParams
 from engine.decoding.policies import dream_quota, dream_transfer_fractions, fixed_quota
 from engine.decoding.types import GenerationResult, RequestStats, TokenLogprob
 
 FORWARD_FULL, FORWARD_DUAL, FORWARD_PREFIX = "full", "dual", "prefix"
 # Block-diffusion rows (`block_causal`): a denoising forward of the row's block against its exact
-# cache (the clean tokens not yet cached ride along in front of it), or SDAR's store pass.
-FORWARD_BLOCK, FORWARD_STORE = "block", "store"
+# cache (the clean tokens not yet cached ride along in front of it), or SDAR's store pass; without
+# a cache (`cache="none"`), a full forward of the window (prompt, finished blocks and the block).
+FORWARD_BLOCK, FORWARD_STORE, FORWARD_WINDOW = "block", "store", "window"
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,8 @@ class StepOutput:
     """What one step did for one row.
 
     `new_token_ids` are the generated tokens that became final since the row's last output (no
-    mask before them), up to and including the first end token; concatenated over a request's
+    mask before them; for `block-edit`, whose edits may change a committed token until its block
+    ends, the tokens of blocks that have ended), up to and including the first end token; concatenated over a request's
     outputs they are its response followed by its end token, if any (with `ignore_eos`, every
     generated token). `new_logprobs` are their logprobs when the request asked for them (else
     empty). `fed_tokens` is the row's
@@ -79,6 +81,10 @@ class Request:
             self.num_blocks = params.num_blocks
         self.tail = self.prompt_len - self.origin  # prompt tokens inside the first decoded block
         self.cached = 0  # block-diffusion rows: the exact cache holds positions [0, cached)
+        # block-edit (LLaDA2.1): its block's tokens may change until the block ends, and a block ends
+        # after post-fill forwards (`post_steps` of them so far, counted as the official decoder does)
+        self.edits = params.policy in EDIT_POLICIES
+        self.post_steps = 0
         self.steps_per_block = params.steps_per_block
         self.policy = params.policy
         self.mask_id = mask_id
@@ -116,6 +122,11 @@ class Request:
                 self.generator.manual_seed(p.seed)
 
     @property
+    def at_step_limit(self) -> bool:
+        """A block-edit row's step is its block's last allowed one (`max_steps_per_block`)."""
+        return self.edits and self.step + 1 >= self.params.max_steps_per_block
+
+    @property
     def block_start(self) -> int:
         """Canvas index of the current block's first token."""
         return self.origin + self.block * self.block_length
@@ -123,13 +134,18 @@ class Request:
     def forward_kind(self) -> str:
         p = self.params
         if self.block_causal:
+            if p.cache == "none":
+                return FORWARD_WINDOW
             return FORWARD_STORE if p.store_pass and self.cached < self.block_start else FORWARD_BLOCK
         if p.cache == "none" or self.step == 0 or (p.refresh_interval and self.step % p.refresh_interval == 0):
             return FORWARD_FULL
         return FORWARD_DUAL if p.cache == "dual" else FORWARD_PREFIX
 
     def rank_quota(self) -> int:
-        """Tokens the rank policies (LLaDA's fixed schedule, Dream's) commit this step."""
+        """Tokens the rank policies (LLaDA's fixed schedule, Dream's) commit this step; block-edit's
+        num_to_transfer (the fewest it commits while masks are left)."""
+        if self.edits:
+            return self.params.num_to_transfer
         if self.policy in BLOCK_SCHEDULE_POLICIES:  # the official block decoders: from the block length
             return fixed_quota(self.block_length, self.steps_per_block, self.step)
         if self.dream_fractions is None:
@@ -156,4 +172,12 @@ class Request:
     def first_end(self, stop: Optional[int] = None) -> Optional[int]:
         """Index in the response (generated[tail:stop]) of its first end token."""
         return next((i for i, t in enumerate(self.generated[self.tail:stop]) if t in self.end_ids), None)
+
+
+def finish(request: Request, reason: str, generated: list[int], end: Optional[int]) -> GenerationResult:
+    """The request's result: `generated` are its response positions from the prompt's end on."""
+    request.stats.wall_time = time.perf_counter() - request.started
+    logprobs = None if request.logprobs is None else list(request.logprobs[request.tail:request.tail + len(generated)])
+    return GenerationResult(request.request_id, request.prompt_ids, generated, reason, request.stats,
+                            end_index=end, logprobs=logprobs)  # type: ignore[arg-type]
 

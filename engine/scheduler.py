@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import heapq
 import threading
-import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Optional
 
 import torch
 
+from engine.block_advance import advance_block_causal
 from engine.decoding.types import FINISH_LENGTH, FINISH_STOP, GenerationResult, TokenLogprob
-from engine.request import FORWARD_STORE, Request, StepOutput
+from engine.request import FORWARD_STORE, Request, StepOutput, finish
 from engine.summary import RowSummary
 
 
@@ -113,6 +113,8 @@ class Scheduler:
                 self._record_logprobs(request, info)
             if request.block_causal:
                 result = advance_block_causal(request, info, storing)
+                if request.edits:  # block-edit may still change its block: finished blocks only
+                    stable = request.block_start - request.origin
             else:
                 result = self._advance(request, info)
             if result is not None:
@@ -132,12 +134,13 @@ class Scheduler:
 
     @staticmethod
     def _record_logprobs(request: Request, info: RowSummary) -> None:
-        """The logprobs of the positions this step committed (masked before it, a token after)."""
+        """The logprobs of the positions this step wrote a token to (masked before it, or block-edit's
+        edits): a position's logprobs are those of the step that wrote its final token."""
         offset = request.block_start - request.origin
         k = request.params.logprobs or 0
         for position in range(request.block_length):
             token = info.tokens[position]
-            if request.generated[offset + position] == request.mask_id and token != request.mask_id:
+            if request.generated[offset + position] != token and token != request.mask_id:
                 chosen, top = info.logprob(position)
                 request.logprobs[offset + position] = TokenLogprob(token, chosen, top[:k])  # type: ignore[index]
 
@@ -175,57 +178,3 @@ class Scheduler:
     @staticmethod
     def _result(request: Request, reason: str, generated: list[int], end: Optional[int]) -> GenerationResult:
         return finish(request, reason, generated, end)
-
-
-def finish(request: Request, reason: str, generated: list[int], end: Optional[int]) -> GenerationResult:
-    """The request's result: `generated` are its response positions from the prompt's end on."""
-    request.stats.wall_time = time.perf_counter() - request.started
-    logprobs = None if request.logprobs is None else list(request.logprobs[request.tail:request.tail + len(generated)])
-    return GenerationResult(request.request_id, request.prompt_ids, generated, reason, request.stats,
-                            end_index=end, logprobs=logprobs)  # type: ignore[arg-type]
-
-
-def advance_block_causal(request: Request, info: RowSummary, storing: bool) -> Optional[GenerationResult]:
-    """Advance a block-diffusion row by its step: a denoising step updates its block and moves to
-    the next block once it is full; its clean prefix is cached after any of its forwards. It ends
-    at an end token in a finished block or when its last block is finished (SDAR's store pass, when
-    on, finishes a block: the end check follows it, as in SDAR's decoders)."""
-    stats = request.stats
-    stats.nfe += 1
-    request.cached = request.block_start  # the forward wrote every clean token before the block
-    if storing:
-        stats.tokens_per_step.append(0)
-        return _finished_block(request)
-    offset = request.block_start - request.origin
-    width = request.block_length
-    request.generated[offset:offset + width] = info.tokens[:width]
-    stats.tokens_per_step.append(info.committed)
-    stats.forced_commits += info.forced
-    stats.grinding_exits += info.grinding_exit
-    if request.step == 0:
-        bands = stats.first_step_confidence_bands
-        bands[0] += info.band_high
-        bands[1] += request.masked_now - info.band_high - info.band_low
-        bands[2] += info.band_low
-    request.masked_now = info.still_masked
-    if info.still_masked:
-        request.step += 1
-        return None
-    stats.steps_per_block.append(request.step + 1)
-    request.block += 1
-    request.step = 0
-    request.masked_now = request.masked_at_block_start = width
-    return None if request.params.store_pass else _finished_block(request)
-
-
-def _finished_block(request: Request) -> Optional[GenerationResult]:
-    """The result when the blocks before the current one end the row, else None."""
-    done = request.block_start - request.origin
-    end = request.first_end(done) if request.params.stops_at_end else None
-    if end is None and request.block < request.num_blocks:
-        return None
-    response = request.generated[request.tail:request.tail + request.gen_length]
-    if end is not None and end < request.gen_length:
-        return finish(request, FINISH_STOP, response[:end + 1], end)
-    end = request.first_end(request.tail + request.gen_length)  # early_exit off: the whole response
-    return finish(request, FINISH_LENGTH if end is None else FINISH_STOP, response, end)

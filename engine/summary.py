@@ -16,9 +16,10 @@ import torch
 # Counts before the block's tokens. band_high / band_low count a block's first step's candidates by
 # first-step confidence (0 in a step where no row is at its block's first step). end_pos: the block's
 # first end token; first_masked: its first still-masked position; each the block width when there is
-# none. An end token ends the row only with no mask before it (end_pos < first_masked).
+# none. An end token ends the row only with no mask before it (end_pos < first_masked). edited: block-edit's
+# token edits; end_committed: end tokens among the step's commits (eos_early_stop).
 COUNTS = ("committed", "still_masked", "forced", "band_high", "band_low", "grinding_exit", "end_pos",
-          "first_masked")
+          "first_masked", "edited", "end_committed")
 
 
 def encode(counts: Sequence[torch.Tensor], new_tokens: torch.Tensor,
@@ -44,6 +45,8 @@ class RowSummary:
     grinding_exit: int
     end_pos: int
     first_masked: int
+    edited: int
+    end_committed: int
     tokens: list[int]  # the block after the step (W wide)
     _row: Sequence[float]
     _k: int

@@ -185,6 +185,7 @@ class DecodingSummary(BaseModel):
     fixed_step_budget: int
     forced_commits: int
     grinding_exits: int
+    token_edits: int = 0  # block-edit (LLaDA2.1's decoder): tokens replaced after they were committed
     energy_joules: Optional[float] = None  # only where an energy meter is read
 
     @model_serializer(mode="wrap")
@@ -198,7 +199,7 @@ class DecodingSummary(BaseModel):
     def of(cls, stats: RequestStats, joules: Optional[float]) -> DecodingSummary:
         return cls(nfe=stats.nfe, steps=stats.steps, steps_saved=stats.steps_saved,
                    fixed_step_budget=stats.fixed_step_budget, forced_commits=stats.forced_commits,
-                   grinding_exits=stats.grinding_exits, energy_joules=joules)
+                   grinding_exits=stats.grinding_exits, token_edits=stats.token_edits, energy_joules=joules)
 
 
 # ------------------------------------------------------------------------------ response bodies

@@ -24,7 +24,9 @@ def check_decode_steps(params: DecodeParams, body: Union[CompletionRequest, Chat
     `max_tokens: 0` decodes nothing)."""
     if cap is None or max_tokens == 0 or params.max_steps <= cap:
         return
-    if params.policy != "threshold" and "steps" in (body.decoding or {}):
+    if params.policy == "block-edit":
+        param = "decoding.max_steps_per_block"
+    elif params.policy != "threshold" and "steps" in (body.decoding or {}):
         param = "decoding.steps"
     elif getattr(body, "max_completion_tokens", None) is not None:
         param = "max_completion_tokens"

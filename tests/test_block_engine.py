@@ -1,6 +1,7 @@
 """The engine's block-causal mode on the tiny SDAR fixture checkpoint: the exact cache's two ways of
-writing a finished block agree, rows decode the same batched and alone, and what the mode does not
-offer is refused with a RequestError naming the field."""
+writing a finished block agree, the exact cache and the no-cache window forwards give the same
+tokens, rows decode the same batched and alone, block-edit streams finished blocks only, and what
+the mode does not offer is refused with a RequestError naming the field."""
 
 from __future__ import annotations
 
@@ -39,6 +40,65 @@ def test_store_pass_and_ride_along_write_the_same_cache(sdar_models, policy):
         assert b.stats.nfe == a.stats.nfe + blocks + (len(prompt) >= 4)
 
 
+@pytest.mark.parametrize("policy", ["block-static", "block-dynamic", "block-sequential", "cai", "block-edit"])
+def test_the_exact_cache_and_the_window_forward_give_the_same_tokens(sdar_models, policy):
+    """Without a cache each step re-runs the row's whole window (LLaDA2.0's generate()); under the
+    block-causal mask the exact cache gives the same logits, so the same tokens and forwards."""
+    for model in sdar_models.values():
+        engine = Engine.from_model(model, max_batch=len(PROMPTS))
+        base = DecodeParams(policy=policy, gen_length=16, block_length=4, steps=16, threshold=0.5,
+                            editing_threshold=0.3, ignore_eos=True)
+        cached = engine.generate(PROMPTS, base)
+        windows = engine.generate(PROMPTS, base.with_overrides(cache="none"))
+        for a, b in zip(cached, windows, strict=True):
+            assert a.generated_ids == b.generated_ids
+            assert a.stats.nfe == b.stats.nfe
+            assert a.stats.token_edits == b.stats.token_edits
+
+
+def test_block_edit_streams_finished_blocks_with_the_logprobs_of_their_final_tokens(sdar_models):
+    """An edit changes a token after it was committed: block-edit reports a block's tokens once the
+    block has ended, each with the logprobs of the forward that wrote it."""
+    model = sdar_models[4]
+    engine = Engine.from_model(model, max_batch=len(PROMPTS))
+    params = DecodeParams(policy="block-edit", gen_length=16, block_length=4, threshold=0.5, editing_threshold=0.0,
+                          max_post_steps=3, logprobs=2, ignore_eos=True)
+    ids = [engine.add_request(prompt, params) for prompt in PROMPTS]
+    streamed: dict[str, list] = {i: [] for i in ids}
+    results = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            streamed[out.request_id].append(out)
+            if out.result is not None:
+                results[out.request_id] = out.result
+    edits = 0
+    for request_id, prompt in zip(ids, PROMPTS, strict=True):
+        result = results[request_id]
+        outputs = streamed[request_id]
+        tokens = [t for out in outputs for t in out.new_token_ids]
+        assert tokens == result.generated_ids
+        tail = len(prompt) % 4
+        for out in outputs[:-1]:  # whole blocks (the first one less the prompt's tail), or nothing
+            assert len(out.new_token_ids) in (0, 4 - tail, 4, 8 - tail, 8)
+        logprobs = [lp for out in outputs for lp in out.new_logprobs]
+        assert [lp.token_id for lp in logprobs] == tokens == [lp.token_id for lp in result.logprobs]
+        assert all(len(lp.top) == 2 and lp.logprob <= 0 for lp in logprobs)
+        assert model.special.mask_id not in tokens
+        edits += result.stats.token_edits
+    assert edits > 0  # editing threshold 0: the test sees edits
+
+
+def test_block_edit_fills_its_block_at_the_step_limit(sdar_models):
+    model = sdar_models[4]
+    engine = Engine.from_model(model, max_batch=len(PROMPTS))
+    params = DecodeParams(policy="block-edit", gen_length=16, block_length=4, threshold=1.0, max_steps_per_block=2,
+                          ignore_eos=True)
+    for prompt, result in zip(PROMPTS, engine.generate(PROMPTS, params), strict=True):
+        blocks = -(-(len(prompt) + 16) // 4) - len(prompt) // 4
+        assert result.stats.nfe == 2 * blocks  # one commit, then the limit fills the block
+        assert model.special.mask_id not in result.generated_ids and len(result.generated_ids) == 16
+
+
 def test_rows_decode_the_same_batched_and_alone(sdar_models):
     """Rows of different policies, block sizes and prompt tails share steps at different blocks."""
     model = next(iter(sdar_models.values()))
@@ -46,7 +106,10 @@ def test_rows_decode_the_same_batched_and_alone(sdar_models):
               DecodeParams(policy="block-dynamic", gen_length=16, block_length=8, steps=8, threshold=0.6,
                            store_pass=True),
               DecodeParams(policy="block-sequential", gen_length=16, block_length=4, steps=8, ignore_eos=True),
-              DecodeParams(policy="cai", gen_length=16, block_length=8, steps=16, ignore_eos=True)]
+              DecodeParams(policy="cai", gen_length=16, block_length=8, steps=16, ignore_eos=True),
+              DecodeParams(policy="block-edit", gen_length=16, block_length=4, threshold=0.6, editing_threshold=0.2),
+              DecodeParams(policy="block-dynamic", gen_length=16, block_length=4, steps=8, cache="none",
+                           eos_early_stop=True, block_attention="additive_01")]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
     batched = Engine.from_model(model, max_batch=3).generate(prompts, params)
     alone = [Engine.from_model(model, max_batch=1).generate([p], q)[0] for p, q in zip(prompts, params, strict=True)]
@@ -62,12 +125,15 @@ def test_what_the_mode_does_not_offer_is_refused(sdar_models, llada_model):
     with pytest.raises(RequestError) as err:
         engine.check_score([1, 2, 3], 4)
     assert err.value.param == "echo"
-    for knob in ({"cache": "dual"}, {"cfg_scale": 1.0}, {"policy": "dream-entropy"}):
+    for knob in ({"cache": "dual"}, {"cfg_scale": 1.0}, {"policy": "dream-entropy"},
+                 {"store_pass": True, "cache": "none"}):
         with pytest.raises(RequestError) as err:
             engine.add_request([1, 2, 3], DecodeParams(gen_length=16, **knob))
         assert err.value.param == next(iter(knob))
-    with pytest.raises(RequestError) as err:
-        Engine.from_model(llada_model).add_request([1, 2, 3], DecodeParams(gen_length=16, store_pass=True))
-    assert err.value.param == "store_pass"
+    for knob in ({"store_pass": True}, {"policy": "block-edit"}, {"cache": "exact"},
+                 {"block_attention": "additive_01"}, {"eos_early_stop": True}):
+        with pytest.raises(RequestError) as err:
+            Engine.from_model(llada_model).add_request([1, 2, 3], DecodeParams(gen_length=16, **knob))
+        assert err.value.param == next(iter(knob))
     # the checkpoint's trained block is the default block
     assert engine.default_params(DecodeParams(gen_length=16)).block_length == model.block_size

@@ -18,6 +18,7 @@ import pytest
 from conftest import FIXTURES
 
 from engine import DecodeParams, Engine, load_model
+from engine.decoding.types import GenerationResult
 from engine.models.block_transformer import BlockDiffusionTransformer
 
 GOLDEN = sorted(FIXTURES.glob("block/*/golden/*.json"))
@@ -52,15 +53,17 @@ def _skip_reason(run: dict) -> Optional[str]:
     if version == "v20p":
         return ("the unpatched LLaDA2.0 file samples at temperature 0 (torch.multinomial at temperature 1); "
                 "the engine's temperature 0 is greedy, as the patched runs are")
-    if version in ("v21p", "v21log"):
-        return "LLaDA2.1's token-editing decoder is not implemented in the engine yet"
-    if run["settings"].get("eos_early_stop"):
-        return ("eos_early_stop (an end inside an unfinished block ends the row) is not offered: the engine "
-                "ends a block-diffusion row at an end token in a finished block")
     return None
 
 
-def _params(run: dict) -> DecodeParams:
+def _llada21(run: dict) -> bool:
+    """LLaDA2.1's decoder: the official file (v21p, its additive 0/1 mask) or the .log() variant (v21log)."""
+    return run.get("code_version") in ("v21p", "v21log")
+
+
+def _params(run: dict, cache: Optional[str] = None) -> DecodeParams:
+    """The run's settings as engine knobs; `cache` None: the run's own mode (the exact cache, or no
+    cache for LLaDA2.1's additive mask)."""
     settings = run["settings"]
     common: dict[str, Any] = {"gen_length": settings["gen_length"], "block_length": settings["block_length"],
                               "ignore_eos": not _stop_ids(run), "temperature": 0.0}
@@ -77,8 +80,17 @@ def _params(run: dict) -> DecodeParams:
         extra = {"threshold": threshold} if policy == "block-dynamic" else {}
         return DecodeParams(policy=policy, steps=kwargs["denoising_steps"] * blocks, store_pass=True,
                             **extra, **common)
+    if _llada21(run):  # steps is unused by LLaDA2.1's loop; its early stop is the engine's default block end
+        official = run["code_version"] == "v21p"
+        common["early_exit"] = bool(settings.get("eos_early_stop", False))
+        return DecodeParams(policy="block-edit", threshold=settings["threshold"],
+                            editing_threshold=settings["editing_threshold"],
+                            max_post_steps=settings["max_post_steps"],
+                            num_to_transfer=settings.get("num_to_transfer", 1),
+                            block_attention="additive_01" if official else "block_causal", cache=cache, **common)
     steps = min(settings["steps"], settings["gen_length"] // settings.get("minimal_topk", 1))  # LLaDA2.0
-    return DecodeParams(policy="block-dynamic", steps=steps * blocks, threshold=settings["threshold"], **common)
+    return DecodeParams(policy="block-dynamic", steps=steps * blocks, threshold=settings["threshold"],
+                        eos_early_stop=bool(settings.get("eos_early_stop", False)), cache=cache, **common)
 
 
 @cache
@@ -109,9 +121,14 @@ def _checkpoint(path: Path, run: dict) -> Path:
 
 def _expected(run: dict, row: int) -> list[int]:
     """The row's response as the engine returns it: up to and including its first stop id, at most
-    gen_length tokens (the official decoders return the whole rounded canvas)."""
+    gen_length tokens (the official decoders return the whole rounded canvas). LLaDA2.0's in-loop
+    eos_early_stop returns the prompt too (`x[:, :eos_pos + 1]`): the engine returns what follows it."""
     if "generated_ids" in run:
         generated = _rows(run["generated_ids"])[row][:run["settings"]["gen_length"]]
+    elif run["settings"].get("eos_early_stop") and not _llada21(run):
+        prompt = _rows(run["prompt_ids"])[row]
+        assert run["returned_ids"][row][:len(prompt)] == prompt
+        generated = run["returned_ids"][row][len(prompt):]
     else:
         generated = run["returned_ids"][row]
     stops = set(_stop_ids(run))
@@ -129,17 +146,38 @@ def _row_nfe(run: dict, row: int) -> int:
     return sum(1 for kind, c in zip(kinds, commits, strict=True) if kind != "denoise" or c[row] > 0)
 
 
+def _through_end(result: GenerationResult) -> list[int]:
+    """The response up to and including its first end token (with early_exit off the engine returns
+    the whole response and marks the end; the official decoders cut after it)."""
+    ids = result.generated_ids
+    return ids if result.end_index is None else ids[:result.end_index + 1]
+
+
+def _check(path: Path, run: dict, tmp: Path, cache: Optional[str] = None) -> None:
+    model = _model(_checkpoint(path, run), run["settings"]["mask_id"], tuple(_stop_ids(run)), tmp)
+    prompts = _rows(run["prompt_ids"])
+    engine = Engine.from_model(model, max_batch=len(prompts))
+    results = engine.generate(prompts, _params(run, cache))
+    for row, result in enumerate(results):
+        assert _through_end(result) == _expected(run, row), f"row {row}"
+        assert result.stats.nfe == _row_nfe(run, row), f"row {row}"
+
+
 @pytest.mark.parametrize("path", GOLDEN, ids=[p.stem for p in GOLDEN])
 def test_golden_run_through_the_engine(path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     run = _load(path)
     reason = _skip_reason(run)
     if reason is not None:
         pytest.skip(reason)
-    model = _model(_checkpoint(path, run), run["settings"]["mask_id"], tuple(_stop_ids(run)),
-                   tmp_path_factory.getbasetemp())
-    prompts = _rows(run["prompt_ids"])
-    engine = Engine.from_model(model, max_batch=len(prompts))
-    results = engine.generate(prompts, _params(run))
-    for row, result in enumerate(results):
-        assert result.generated_ids == _expected(run, row), f"row {row}"
-        assert result.stats.nfe == _row_nfe(run, row), f"row {row}"
+    _check(path, run, tmp_path_factory.getbasetemp())
+
+
+# The block-causal runs whose official decoder re-runs its window each step (LLaDA2.0, the LLaDA2.1
+# .log() variant), replayed without the cache too: the engine's window forward, the same tokens and NFE.
+NO_CACHE = [p for p in GOLDEN if p.parent.parent.name == "llada2" and _skip_reason(_load(p)) is None
+            and _load(p).get("code_version") in ("v20g", "v21log")]
+
+
+@pytest.mark.parametrize("path", NO_CACHE, ids=[p.stem for p in NO_CACHE])
+def test_block_causal_golden_run_without_the_cache(path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    _check(path, _load(path), tmp_path_factory.getbasetemp(), cache="none")

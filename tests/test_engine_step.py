@@ -12,11 +12,13 @@ from engine import DecodeParams, Engine, load_model
 from engine.batch import Batch
 from engine.chat import chat_prompt_ids
 from engine.decoding.decide import POLICIES
+from engine.decoding.params import EDIT_POLICIES
 from engine.host_reads import count_host_reads
 from server.output import ChoiceOutput
 from tinymodels.evaluate import held_out_problems
 
-ALL_POLICIES = sorted(POLICIES)
+# block-edit (LLaDA2.1's decoder) is for block-diffusion models only (the block tests below run it)
+ALL_POLICIES = sorted(p for p in POLICIES if p not in EDIT_POLICIES)
 # the output path does not depend on the policy's rule: the masked-diffusion decoders cover it (the
 # block decoders' rules are the rank and threshold rules again; tests/test_block_engine.py runs them)
 STREAMED_POLICIES = [p for p in ALL_POLICIES if not p.startswith("block-")]
@@ -61,7 +63,7 @@ def test_one_host_read_per_step_whatever_the_batch(llada_model, dream_model, cac
         assert steps > 1
 
 
-BLOCK_POLICIES = ["block-dynamic", "block-sequential", "block-static", "cai", "fixed", "threshold"]
+BLOCK_POLICIES = ["block-dynamic", "block-edit", "block-sequential", "block-static", "cai", "fixed", "threshold"]
 
 
 def _block_checkpoints(fixtures, tmp_path) -> list[Path]:
@@ -88,7 +90,7 @@ def _block_checkpoints(fixtures, tmp_path) -> list[Path]:
 
 
 def test_one_host_read_per_step_on_block_diffusion_models(fixtures, tmp_path, monkeypatch):
-    """Rows at different blocks, block sizes, prompt tails, store passes and policies share steps
+    """Rows at different blocks, block sizes, prompt tails, store passes, caches, masks and policies share steps
     with one host read a step, not counting the reads inside a forward (LLaDA2's plain MoE kernel
     reads its experts' token counts: a model-internal sync, see engine/models/moe.py)."""
     for checkpoint in _block_checkpoints(fixtures, tmp_path):
@@ -107,7 +109,9 @@ def test_one_host_read_per_step_on_block_diffusion_models(fixtures, tmp_path, mo
         for i in range(9):  # more than a batch: rows join while others run
             params = DecodeParams(policy=BLOCK_POLICIES[i % len(BLOCK_POLICIES)], gen_length=16,
                                   block_length=4 if i % 2 else 8, store_pass=i % 3 == 0, ignore_eos=i % 4 == 0,
-                                  temperature=0.7 if i == 5 else 0.0, seed=i, threshold=0.5)
+                                  temperature=0.7 if i == 5 else 0.0, seed=i, threshold=0.5,
+                                  cache="none" if i % 3 == 1 else None,  # window forwards, with either mask
+                                  block_attention="additive_01" if i % 6 == 1 else "block_causal")
             engine.add_request([1 + i, 2, 3, 4, 5, 6][: 2 + i % 5], params)
         steps = 0
         while engine.has_unfinished():

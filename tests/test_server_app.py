@@ -97,6 +97,11 @@ def test_bad_values_get_errors_that_name_their_field(fixtures):
         assert error({"temperature": 0.5, "decoding": {"temperature": -1}})["param"] == "decoding.temperature"
         assert error({"prompt": [5] * 5000})["param"] == "prompt"  # the prompt alone fills the context
         assert error({"max_tokens": 10 ** 6})["param"] == "max_tokens"
+        # block-diffusion knobs on a full-attention model, and a mask that cannot be cached
+        assert error({"decoding": {"policy": "block-edit"}})["param"] == "decoding.policy"
+        assert error({"decoding": {"eos_early_stop": True}})["param"] == "decoding.eos_early_stop"
+        assert error({"decoding": {"block_attention": "additive_01", "cache": "exact"}})["param"] == \
+            "decoding.block_attention"
         for raw, words in ((b'{"prompt": [5], "temperature": NaN}', "NaN"),
                            (b'{"prompt": [5], "top_p": Infinity}', "Infinity")):
             response = client.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})

@@ -26,6 +26,7 @@ from engine.decoding.sampling import (
     filter_min_p,
     filter_top_k_top_p,
     predict,
+    predict_unmasked,
     token_logprobs,
 )
 
@@ -41,6 +42,9 @@ class PolicyInputs:
 
     conf: torch.Tensor  # [B, W] Box 1 confidence (of the row's kind)
     candidates: torch.Tensor  # [B, W] still masked and inside the row's block
+    x0: torch.Tensor  # [B, W] the predictions
+    tokens: torch.Tensor  # [B, W] the block before the step
+    editable: torch.Tensor  # [B, W] unmasked generated positions inside the row's block
     step: torch.Tensor
     block: torch.Tensor
     quota: torch.Tensor
@@ -70,6 +74,7 @@ class Decision:
     first_conf: Optional[torch.Tensor] = None  # [B, W] state to store back
     low_yield: Optional[torch.Tensor] = None  # [B]
     grinding_exit: Optional[torch.Tensor] = None  # [B]
+    edit: Optional[torch.Tensor] = None  # [B, W] unmasked positions that take the prediction
 
 
 DecideFn = Callable[[PolicyInputs], Decision]
@@ -93,6 +98,13 @@ def decide_block_dynamic(batch: PolicyInputs) -> Decision:
     high = batch.candidates & (batch.conf > batch.f["threshold"][:, None])
     enough = high.sum(dim=1) >= batch.quota
     return Decision(torch.where(enough[:, None], high, P.commit_best(batch.conf, batch.candidates, batch.quota)))
+
+
+def decide_block_edit(batch: PolicyInputs) -> Decision:
+    """LLaDA2.1's decoder: block-dynamic's commits with `num_to_transfer` as the quota (M2T), and
+    token edits of the block's unmasked generated positions (T2T), from the same forward."""
+    edit = P.token_edits(batch.conf, batch.x0, batch.tokens, batch.editable, batch.f["editing_threshold"])
+    return Decision(decide_block_dynamic(batch).commit, edit=edit)
 
 
 def decide_sequential(batch: PolicyInputs) -> Decision:
@@ -128,6 +140,7 @@ POLICIES: dict[str, Policy] = {
     "block-static": Policy(CONF_PROB, P.FAMILY_RANK, decide_rank),
     "block-dynamic": Policy(CONF_PROB, P.FAMILY_BLOCK_DYNAMIC, decide_block_dynamic),
     "block-sequential": Policy(CONF_PROB, P.FAMILY_SEQUENTIAL, decide_sequential),
+    "block-edit": Policy(CONF_PROB, P.FAMILY_EDIT, decide_block_edit),
 }
 
 
@@ -143,15 +156,29 @@ def decide_step(batch: Batch, tables: DecodeTables, logits: torch.Tensor, block_
                                     any_top_p=batch.any_top_p)
     if batch.any_min_p:
         logits = filter_min_p(logits, f["min_p"])
-    x0 = predict(logits, batch.sampled, mask_id)
+    edit_rows = i["family"] == P.FAMILY_EDIT if "block-edit" in batch.policies else None
+    x0 = predict(logits, batch.sampled, mask_id, mask_rows=edit_rows)
     conf = confidence(logits, x0, i["conf_kind"], frozenset(POLICIES[name].conf_kind for name in batch.policies))
+    width = block_tokens.shape[1]
+    position = torch.arange(width, device=conf.device)
+    # generated positions only: a block-diffusion row's first block holds the prompt's tail
+    generated = batch.block_start[:, None] + position >= batch.prompt_len[:, None]
     # a row's store pass (SDAR) commits nothing: its block is the next one, not yet denoised
-    candidates = (block_tokens == mask_id) & in_block & (batch.commits > 0)[:, None]
+    denoising = in_block & (batch.commits > 0)[:, None]
+    masked = block_tokens == mask_id
+    candidates = masked & denoising
     cai = "cai" in batch.policies
-    inputs = PolicyInputs(conf=conf, candidates=candidates, step=batch.step, block=batch.block, quota=batch.quota,
-                          f=f, i=i, b=rows.b, first_conf=rows.first_conf, low_yield=rows.low_yield,
+    inputs = PolicyInputs(conf=conf, candidates=candidates, x0=x0, tokens=block_tokens,
+                          editable=~masked & denoising & generated, step=batch.step, block=batch.block,
+                          quota=batch.quota, f=f, i=i, b=rows.b, first_conf=rows.first_conf, low_yield=rows.low_yield,
                           schedule=tables.cai_schedule(batch, rows) if cai else None)
-    commit, forced, grinding, first_conf, low_yield = _dispatch(inputs, batch.policies)
+    commit, forced, grinding, first_conf, low_yield, edit = _dispatch(inputs, batch.policies)
+    if batch.edit_fill:  # a block-edit row at its step limit fills its block with tokens (never the mask)
+        assert edit_rows is not None
+        fill = edit_rows & (batch.step + 1 >= i["max_steps_per_block"])
+        x0 = torch.where(fill[:, None], predict_unmasked(logits, mask_id), x0)
+        commit = commit | (fill[:, None] & candidates)
+        edit = edit & (x0 != block_tokens)  # an edit to the mask id that the fill turned back
     if batch.commit_first:  # Fast-dLLM's Dream block decoder: a block's first forward commits its first token
         first = torch.zeros_like(candidates)
         first[:, 0] = True
@@ -160,28 +187,29 @@ def decide_step(batch: Batch, tables: DecodeTables, logits: torch.Tensor, block_
         low_yield = torch.where(batch.commits > 0, low_yield, rows.low_yield)  # a store pass is no step
         tables.store_cai_state(batch, first_conf, low_yield)
 
-    new_tokens = torch.where(commit, x0, block_tokens)
-    still_masked = candidates & ~commit  # a committed position holds a prediction, never the mask
-    width = block_tokens.shape[1]
-    position = torch.arange(width, device=conf.device)
+    new_tokens = torch.where(commit | edit, x0, block_tokens)
+    # a committed position holds a prediction, never the mask, but for block-edit, whose commits and
+    # edits may write the mask id
+    still_masked = (new_tokens == mask_id) & denoising
     # first still-masked position and first end token (width: none)
     first_masked = torch.where(still_masked, position, width).amin(dim=1)
-    # generated positions only: a block-diffusion row's first block holds the prompt's tail
-    generated = batch.block_start[:, None] + position >= batch.prompt_len[:, None]
-    end_pos = torch.where(torch.isin(new_tokens, end_ids) & in_block & generated, position, width).amin(dim=1)
+    is_end = torch.isin(new_tokens, end_ids)
+    end_pos = torch.where(is_end & in_block & generated, position, width).amin(dim=1)
     # first-step confidence bands, read by the host at a block's first step alone (the host derives
     # the middle band)
     no_band = torch.zeros_like(candidates)
     high = candidates & (conf > P.CONF_HIGH) if batch.at_block_start else no_band
     low = candidates & (conf < P.CONF_LOW) if batch.at_block_start else no_band
-    counts = [m.sum(dim=1) for m in (commit, still_masked, forced, high, low)] + [grinding, end_pos, first_masked]
+    unmasked = commit & ~still_masked
+    counts = [m.sum(dim=1) for m in (unmasked, still_masked, forced, high, low)] + [grinding, end_pos, first_masked]
+    counts += [edit.sum(dim=1), (unmasked & is_end).sum(dim=1)]
     logprobs = token_logprobs(raw_logits, x0, batch.logprob_k) if batch.logprob_k >= 0 else None
     return new_tokens, summary.encode(counts, new_tokens, logprobs)
 
 
 def _dispatch(inputs: PolicyInputs, policies: frozenset[str]) -> tuple[torch.Tensor, ...]:
     """Each present policy's decide function once; per row, the decision of the row's policy.
-    Returns (commit, forced, grinding exit, CAI's s_i, CAI's counter)."""
+    Returns (commit, forced, grinding exit, CAI's s_i, CAI's counter, edits)."""
     decided: dict[DecideFn, Decision] = {}
     for name in sorted(policies):
         fn = POLICIES[name].decide
@@ -190,6 +218,7 @@ def _dispatch(inputs: PolicyInputs, policies: frozenset[str]) -> tuple[torch.Ten
     candidates = inputs.candidates
     commit = torch.zeros_like(candidates)
     forced = torch.zeros_like(candidates)
+    edit = torch.zeros_like(candidates)
     grinding = torch.zeros_like(inputs.step, dtype=torch.bool)
     first_conf, low_yield = inputs.first_conf, inputs.low_yield
     for fn, decision in decided.items():
@@ -197,9 +226,11 @@ def _dispatch(inputs: PolicyInputs, policies: frozenset[str]) -> tuple[torch.Ten
         for family in {p.family for p in POLICIES.values() if p.decide is fn}:
             mine |= inputs.i["family"] == family
         commit = torch.where(mine[:, None], decision.commit, commit)
+        if decision.edit is not None:
+            edit = torch.where(mine[:, None], decision.edit, edit)
         if decision.forced is not None:
             forced = torch.where(mine[:, None], decision.forced, forced)
             grinding = mine & decision.grinding_exit
             first_conf = torch.where(mine[:, None], decision.first_conf, first_conf)
             low_yield = torch.where(mine, decision.low_yield, low_yield)
-    return commit, forced, grinding, first_conf, low_yield
+    return commit, forced, grinding, first_conf, low_yield, edit

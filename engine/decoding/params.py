@@ -12,11 +12,17 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
 POLICIES = ("fixed", "threshold", "cai", "dream-maskgit_plus", "dream-entropy", "dream-topk_margin", "block-static",
-            "block-dynamic", "block-sequential")
+            "block-dynamic", "block-sequential", "block-edit")
 # The block-diffusion decoders (SDAR's low_confidence_static / low_confidence_dynamic / sequential,
 # LLaDA2.0's threshold decoder = block-dynamic): their per-step quota comes from the block length.
 BLOCK_SCHEDULE_POLICIES = ("block-static", "block-dynamic", "block-sequential")
-CACHE_MODES = ("none", "prefix", "dual")
+# LLaDA2.1's decoder: threshold commits (M2T) and token edits (T2T), block-diffusion models only
+EDIT_POLICIES = ("block-edit",)
+# "exact": a block-diffusion model's exact block cache (its default); "none" re-runs the whole window
+CACHE_MODES = ("none", "prefix", "dual", "exact")
+# block-diffusion attention: the block-causal mask, or LLaDA2.1's official additive 0/1 mask (no cache)
+BLOCK_ATTENTION_MODES = ("block_causal", "additive_01")
+BLOCK_ARCHITECTURES = ("sdar", "llada2")
 BLOCK_SCHEDULE_MODES = ("clamp", "stretch")
 ETA_DENOMINATORS = ("generation", "block")
 GRINDING_EXITS = ("continue", "fill")
@@ -53,13 +59,26 @@ class DecodeParams:
     score_samples: int = 16
     cfg_scale: float = 0.0
     early_exit: bool = True
-    # KV cache (runner axis)
-    cache: str = "none"
+    # KV cache (runner axis); None: the model's default ("none", or "exact" for block-diffusion models)
+    cache: Optional[str] = None
     refresh_interval: int = 0  # full recompute every f steps inside a block; 0 = block starts only
     # block-diffusion models: a finished block's keys/values are written by one extra forward of the
     # clean block (SDAR's official decoders, counted in NFE); off, they ride along with the next
     # block's first forward (the same logits, one forward fewer per block)
     store_pass: bool = False
+    # block-diffusion models: the attention mask of the denoising forward ("additive_01" needs cache "none")
+    block_attention: str = "block_causal"
+    # block-diffusion models: the official decoders' eos_early_stop (LLaDA2.0: a step that commits an
+    # end token with no mask before it ends the row inside its block; block-edit: docs/decoding.md)
+    eos_early_stop: bool = False
+    # block-edit (LLaDA2.1): an unmasked generated token of the block is replaced by the prediction when
+    # it differs and its confidence is above editing_threshold; after the block's last mask is filled,
+    # at most max_post_steps forwards more; each step commits all masks above `threshold`, or the
+    # num_to_transfer best; a block takes at most max_steps_per_block forwards (the last fills it)
+    editing_threshold: float = 0.9
+    max_post_steps: int = 16
+    num_to_transfer: int = 1
+    max_steps_per_block: int = 1000
     # threshold policy (Fast-dLLM) and block-dynamic (SDAR, LLaDA2.0)
     threshold: float = 0.9
     # dream-* policies
@@ -86,9 +105,10 @@ class DecodeParams:
 
     def __post_init__(self) -> None:
         for name, choices in FIELD_CHOICES.items():
-            _check_choice(name, getattr(self, name), choices)
+            if not (name == "cache" and self.cache is None):
+                _check_choice(name, getattr(self, name), choices)
         for name in ("early_exit", "ignore_eos", "block_schedule", "position_factors", "budgets", "grinding",
-                     "commit_first_at_block_start", "store_pass"):
+                     "commit_first_at_block_start", "store_pass", "eos_early_stop"):
             _check_bool(name, getattr(self, name))
         if self.gating is not None:
             _check_bool("gating", self.gating)
@@ -117,8 +137,19 @@ class DecodeParams:
             _check_int("logprobs", self.logprobs, low=0)
         _check_int("score_samples", self.score_samples, low=1)
         _check_float("cfg_scale", self.cfg_scale, low=0.0)
-        if self.cfg_scale > 0 and self.cache != "none":
+        if self.cfg_scale > 0 and self.cache not in (None, "none"):
             raise DecodeParamError("cfg_scale", "classifier-free guidance needs cache='none'")
+        if self.block_attention == "additive_01" and self.cache not in (None, "none"):
+            raise DecodeParamError("block_attention", "the additive 0/1 mask lets finished blocks attend to the "
+                                   "current block, so they cannot be cached: it needs cache='none', "
+                                   f"got {self.cache!r}")
+        if self.eos_early_stop and not self.stops_at_end:
+            raise DecodeParamError("eos_early_stop", "stops at an end token: it needs early_exit=true and "
+                                   "ignore_eos=false")
+        _check_float("editing_threshold", self.editing_threshold, low=0.0, high=1.0)
+        _check_int("max_post_steps", self.max_post_steps, low=0)
+        _check_int("num_to_transfer", self.num_to_transfer, low=1)
+        _check_int("max_steps_per_block", self.max_steps_per_block, low=1)
         _check_int("refresh_interval", self.refresh_interval, low=0)
         _check_float("threshold", self.threshold, low=0.0, high=1.0)
         _check_float("eps", self.eps, low=0.0, high=1.0, low_open=True)
@@ -146,7 +177,10 @@ class DecodeParams:
     def max_steps(self) -> int:
         """The most denoising steps a row can take: `steps`, since every policy but `threshold` commits
         what is left at a block's last step; `threshold` commits at least one token a step, so one
-        step per canvas token."""
+        step per canvas token; `block-edit` (whose edits may mask tokens again) `max_steps_per_block`
+        a block (a prompt ending inside a block adds one block)."""
+        if self.policy in EDIT_POLICIES:
+            return (self.num_blocks + 1) * self.max_steps_per_block
         return self.gen_length if self.policy == "threshold" else self.total_steps
 
     @property
@@ -192,6 +226,7 @@ def field_types() -> dict[str, tuple[type, bool]]:
 
 # The knobs that take one of a few words, and those words (the schema's enums).
 FIELD_CHOICES: dict[str, tuple[str, ...]] = {"policy": POLICIES, "cache": CACHE_MODES,
+                                             "block_attention": BLOCK_ATTENTION_MODES,
                                              "block_schedule_mode": BLOCK_SCHEDULE_MODES,
                                              "eta_denominator": ETA_DENOMINATORS, "grinding_exit": GRINDING_EXITS}
 
@@ -214,8 +249,13 @@ def json_schema(leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
 
 
 def resolve_defaults(params: DecodeParams, architecture: str) -> DecodeParams:
-    """Fill the fields whose default depends on the model (paper: gating on for LLaDA, off for Dream)."""
+    """Fill the fields whose default depends on the model (paper: gating on for LLaDA, off for Dream;
+    block-diffusion models decode against their exact cache unless their mask cannot be cached)."""
     updates: dict[str, Any] = {}
+    if params.cache is None:  # (guidance cannot be cached: left to the model's mode to accept or refuse)
+        exact = (architecture in BLOCK_ARCHITECTURES and params.block_attention == "block_causal"
+                 and params.cfg_scale == 0)
+        updates["cache"] = "exact" if exact else "none"
     if params.gating is None:
         updates["gating"] = architecture in GATED_ARCHITECTURES
     if params.block_length is None:

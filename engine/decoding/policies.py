@@ -10,6 +10,8 @@ Families:
 - rank (`fixed`, `dream-*`): commit the `quota` best candidates; the quota comes from LLaDA's
   `get_num_transfer_tokens` or Dream's `int(M * (1 - s/t))` schedule.
 - `threshold`: Fast-dLLM — every candidate with confidence >= threshold, and always the best one.
+- `block-edit` (LLaDA2.1): block-dynamic's commits of masked positions, plus token edits
+  (`token_edits`) of the block's already unmasked generated positions.
 - `cai`: the paper's controller (Algorithm 1), one function per box of its Method section, named and
   numbered as there: Box 1 Token Confidence (`engine.decoding.sampling`), Box 2 First-Step
   Confidence Signal, Box 3 Adaptive Threshold Schedule, Box 4 Block-Specific End Thresholds, Box 5
@@ -33,6 +35,7 @@ FAMILY_THRESHOLD = 1
 FAMILY_CAI = 2
 FAMILY_BLOCK_DYNAMIC = 3
 FAMILY_SEQUENTIAL = 4
+FAMILY_EDIT = 5
 
 # Paper constants, defined for a 64-token block and 64 steps per block (Boxes 4-6). They scale with
 # the block length (position boundaries) and with the steps per block (budgets): DECISION.
@@ -101,6 +104,15 @@ def threshold_commit(conf: torch.Tensor, candidates: torch.Tensor, threshold: to
     commit = candidates & (conf >= threshold[:, None])
     best = best_candidate(conf, candidates)
     return commit | (best & (min_commit[:, None] > 0))
+
+
+def token_edits(conf: torch.Tensor, x0: torch.Tensor, tokens: torch.Tensor, editable: torch.Tensor,
+                editing_threshold: torch.Tensor) -> torch.Tensor:
+    """LLaDA2.1's token-to-token editing: an editable position (unmasked, generated, in the block)
+    takes the prediction when it differs from its token and its confidence is strictly above the
+    row's editing threshold. The prediction may be the mask id: the edit then masks the position
+    again, as the official decoder does."""
+    return editable & (x0 != tokens) & (conf > editing_threshold[:, None])
 
 
 # ---------------------------------------------------------------------------------------------- CAI

@@ -18,6 +18,7 @@ parameters and passed in, so none of these functions reads a device value back.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from typing import Optional
 
 import torch
 
@@ -80,22 +81,31 @@ def _best_but(scores: torch.Tensor, excluded: int) -> torch.Tensor:
 
 
 def predict(logits: torch.Tensor, sampled: Sequence[tuple[int, torch.Generator, float]],
-            mask_id: int) -> torch.Tensor:
+            mask_id: int, mask_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Predicted token per position [B, W]: argmax, or Gumbel-max for the rows in `sampled`
     (row, its generator, its temperature > 0).
 
-    DECISION: the mask token is never predicted. A committed mask would leave its position masked,
-    and a policy that commits until no mask is left (threshold) would loop forever on it; the
-    official decoders do not guard this. It changes nothing where the mask is not the best token,
-    as in every golden run of the official code (tests/test_golden_decoding.py). Confidences still
-    come from the full softmax."""
+    DECISION: the mask token is never predicted, except in `mask_rows` ([B] bool: `block-edit`,
+    LLaDA2.1's decoder, which takes the argmax over the whole vocabulary, so that an edit may mask a
+    position again). A committed mask would leave its position masked, and a policy that commits
+    until no mask is left (threshold) would loop forever on it; the official decoders do not guard
+    this. It changes nothing where the mask is not the best token, as in every golden run of the
+    official code (tests/test_golden_decoding.py). Confidences still come from the full softmax."""
     x0 = _best_but(logits, mask_id)
+    if mask_rows is not None:
+        x0 = torch.where(mask_rows[:, None], logits.argmax(dim=-1), x0)
     for row, generator, tau in sampled:
         noise = torch.rand(logits.shape[1:], generator=generator, dtype=torch.float64, device=logits.device)
         # argmax(exp(l) / (-log u)^tau) of LLaDA's add_gumbel_noise, taken in log space (no overflow)
         gumbel = logits[row].double() - tau * torch.log(-torch.log(noise))
-        x0[row] = _best_but(gumbel, mask_id)
+        best = _best_but(gumbel, mask_id)
+        x0[row] = best if mask_rows is None else torch.where(mask_rows[row], gumbel.argmax(dim=-1), best)
     return x0
+
+
+def predict_unmasked(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """The best token other than the mask [B, W] (`block-edit` fills a block with it at its step limit)."""
+    return _best_but(logits, mask_id)
 
 
 def box1_token_confidence(probs: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:

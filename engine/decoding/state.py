@@ -20,9 +20,9 @@ from engine.decoding.decide import POLICIES, CaiSchedule
 from engine.request import Request
 
 FLOAT_KNOBS = ("theta_s", "theta_e", "warmup", "block_decay", "eta", "eta_denominator", "theta_fb", "threshold",
-               "top_p", "min_p")
+               "top_p", "min_p", "editing_threshold")
 INT_KNOBS = ("patience", "min_commit", "top_k", "steps_per_block", "num_blocks", "block_length", "family",
-             "conf_kind")
+             "conf_kind", "max_steps_per_block")
 BOOL_KNOBS = ("block_schedule", "stretch", "position_factors", "budgets", "grinding", "grinding_fill")
 
 # Integer knobs live in int64 tensors. Values past this mean the same as this one (a top_k above the
@@ -36,9 +36,9 @@ def request_knobs(request: Request) -> tuple[list[float], list[int], list[bool]]
     policy = POLICIES[p.policy]
     eta_denominator = p.gen_length if p.eta_denominator == "generation" else request.block_length
     floats = [p.theta_s, p.theta_e, p.warmup, p.block_decay, p.eta, float(eta_denominator), p.theta_fb,
-              p.threshold, p.top_p if p.top_p is not None else 1.0, p.min_p or 0.0]
+              p.threshold, p.top_p if p.top_p is not None else 1.0, p.min_p or 0.0, p.editing_threshold]
     ints = [p.patience, p.min_commit, p.top_k_on, request.steps_per_block, request.num_blocks,
-            request.block_length, policy.family, policy.conf_kind]
+            request.block_length, policy.family, policy.conf_kind, p.max_steps_per_block]
     bools = [p.block_schedule, p.block_schedule_mode == "stretch", p.position_factors, p.budgets and p.gating_on,
              p.grinding and p.gating_on, p.grinding_exit == "fill"]
     return floats, [min(v, _INT_MAX) for v in ints], bools

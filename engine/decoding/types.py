@@ -39,6 +39,7 @@ class RequestStats:
     tokens_per_step: list[int] = field(default_factory=list)
     forced_commits: int = 0  # committed below their threshold: budgets, grinding, block end
     grinding_exits: int = 0
+    token_edits: int = 0  # block-edit: unmasked tokens replaced by another prediction (or masked again)
     # first-step confidence of every token masked at its block's first step: > 0.5, 0.25-0.5, < 0.25
     first_step_confidence_bands: list[int] = field(default_factory=lambda: [0, 0, 0])
     queue_time: float = 0.0
@@ -58,6 +59,7 @@ class RequestStats:
         return {"nfe": self.nfe, "steps_per_block": self.steps_per_block, "steps_saved": self.steps_saved,
                 "fixed_step_budget": self.fixed_step_budget, "tokens_per_step": self.tokens_per_step,
                 "forced_commits": self.forced_commits, "grinding_exits": self.grinding_exits,
+                "token_edits": self.token_edits,
                 "first_step_confidence_bands": dict(zip(("gt_0.5", "0.25_to_0.5", "lt_0.25"),
                                                         self.first_step_confidence_bands, strict=True)),
                 "wall_time": self.wall_time}
