@@ -18,13 +18,15 @@ from tinymodels.tasks import DEFAULT_MIX, sample, split_of
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 BUILTIN = [name for name in ("llada-tiny", "dream-tiny") if (MODELS / name / "model.safetensors").is_file()]
+# block-diffusion built-ins: decoded in block mode with their own policies
+BLOCK_BUILTIN = [name for name in ("sdar-tiny",) if (MODELS / name / "model.safetensors").is_file()]
 
 
 def test_llada_tiny_is_committed():
     assert "llada-tiny" in BUILTIN
 
 
-@pytest.mark.parametrize("name", BUILTIN)
+@pytest.mark.parametrize("name", BUILTIN + BLOCK_BUILTIN)
 def test_checksums_match_the_docs(name):
     doc = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text()
     digest = hashlib.sha256((MODELS / name / "model.safetensors").read_bytes()).hexdigest()
@@ -85,6 +87,24 @@ def test_eval_cli_small_n(tmp_path):
     assert report["hardware"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BLOCK_BUILTIN)
+def test_eval_cli_decodes_a_block_model_with_its_trained_block(name, tmp_path):
+    out = tmp_path / "eval.json"
+    cmd = [sys.executable, "-m", "server.cli", "eval", "--model", str(MODELS / name), "--n", "16", "--json", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    block = json.loads((MODELS / name / "config.json").read_text())["block_size"]
+    report = json.loads(out.read_text())
+    assert [c["name"] for c in report["configs"]] == ["block-static", "block-dynamic 0.9", "CAI full, gate on",
+                                                     "CAI full, gate off"]
+    for config in report["configs"]:
+        assert config["params"]["block_length"] == block and config["nfe_per_request"] > 0
+    # one token a step: the static decoder spends a forward per token of every decoded block
+    static = report["configs"][0]
+    assert static["nfe_per_request"] >= static["nfe_per_generated_token"] > 0.9
+
+
 def test_eval_cli_rejects_unknown_config():
     cmd = [sys.executable, "-m", "server.cli", "eval", "--model", str(MODELS / "llada-tiny"), "--n", "2",
            "--configs", "nonsense"]
@@ -95,7 +115,7 @@ def test_eval_cli_rejects_unknown_config():
     assert run.returncode == 2 and "cannot read decoding profile /nonexistent.json" in run.stderr
 
 
-@pytest.mark.parametrize("name", BUILTIN)
+@pytest.mark.parametrize("name", BUILTIN + BLOCK_BUILTIN)
 def test_hugging_face_loads_the_tokenizer_without_asking_to_run_custom_code(name):
     """Load tools (guidellm, aiperf, ...) read the tokenizer with transformers' Auto classes: a config
     with an `auto_map` to modeling files that are not shipped makes that ask "[y/N]" on stdin."""

@@ -1,4 +1,5 @@
-"""A short smoke training of each format: the loss falls, the checkpoint loads, resuming is exact."""
+"""A short smoke training of each format: the loss falls, the checkpoint loads, resuming is exact;
+the block-diffusion objective's rows and attention mask on hand-built examples."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine import load_model, load_tokenizer
+from engine import Engine, load_model, load_tokenizer
+from engine.decoding import DecodeParams
 from engine.loading.checkpoint import CheckpointFiles
+from tinymodels.block_objective import encode_rows, noisy_clean_mask
 from tinymodels.tasks import sample
-from tinymodels.train import TrainConfig, masked_diffusion_loss, micro_batches, train
+from tinymodels.train import TrainConfig, build_model, masked_diffusion_loss, micro_batches, train
 
 
 def _small(arch: str, steps: int, optimizer: str = "adamw") -> TrainConfig:
@@ -194,3 +197,82 @@ def test_full_canvases_reach_long_canvas_and_only_when_asked():
         assert canvases <= allowed and (len(canvases) > 1) == (long_canvas > 128)
     with pytest.raises(ValueError, match="long_canvas"):
         TrainConfig(long_canvas=64)
+
+
+def test_block_rows_keep_the_prompt_at_position_0_and_close_the_end_block_plus_one():
+    ids, maskable = encode_rows([[1, 2, 3], [1]], [[4, 5], [4, 5, 6, 7, 8, 9]], block_size=4, end_id=0)
+    # row 0: 5 tokens, its end token at 5 closes block 1 (to 8), then one whole block of end tokens
+    # row 1: 7 tokens, end at 7, block 1 ends at 8, plus a block: 12 as well
+    assert ids.tolist() == [[1, 2, 3, 4, 5, 0, 0, 0, 0, 0, 0, 0], [1, 4, 5, 6, 7, 8, 9, 0, 0, 0, 0, 0]]
+    assert maskable.tolist() == [[False] * 3 + [True] * 9, [False] + [True] * 11]
+    ids, _ = encode_rows([[1, 2, 3]], [[4, 5, 6, 7]], block_size=4, end_id=0)
+    assert ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 0, 0, 0, 0, 0]]  # an end token that opens a block
+
+
+def test_noisy_clean_mask_on_a_hand_built_example():
+    # block size 2; noisy copy of positions 2..5 (blocks 1, 2), clean copy of positions 0..5 (blocks 0..2)
+    mask = noisy_clean_mask(torch.arange(2, 6), torch.arange(6), block_size=2)[0, 0].int().tolist()
+    #            noisy 2 3 4 5 | clean 0 1 2 3 4 5
+    expected = [[1, 1, 0, 0, 1, 1, 0, 0, 0, 0],  # noisy 2: its noisy block, clean block 0
+                [1, 1, 0, 0, 1, 1, 0, 0, 0, 0],
+                [0, 0, 1, 1, 1, 1, 1, 1, 0, 0],  # noisy 4: its noisy block, clean blocks 0-1, never clean 4-5
+                [0, 0, 1, 1, 1, 1, 1, 1, 0, 0],
+                [0, 0, 0, 0, 1, 1, 0, 0, 0, 0],  # clean 0: clean blocks <= 0, no noisy token
+                [0, 0, 0, 0, 1, 1, 0, 0, 0, 0],
+                [0, 0, 0, 0, 1, 1, 1, 1, 0, 0],
+                [0, 0, 0, 0, 1, 1, 1, 1, 0, 0],
+                [0, 0, 0, 0, 1, 1, 1, 1, 1, 1],
+                [0, 0, 0, 0, 1, 1, 1, 1, 1, 1]]
+    assert mask == expected
+
+
+def _tiny_sdar() -> torch.nn.Module:
+    model, _ = build_model(TrainConfig(arch="sdar", d_model=32, layers=2, heads=4, mlp_hidden=64, block_size=4))
+    return model.eval()
+
+
+def test_noisy_block_logits_are_the_decoders_and_never_see_their_own_clean_copy():
+    model = _tiny_sdar()
+    block, width = 4, 12
+    generator = torch.Generator().manual_seed(0)
+    clean = torch.randint(6, 60, (1, width), generator=generator)
+    noisy = clean.clone()
+    noisy[0, [5, 6, 9, 11]] = model.special.mask_id  # blocks 1 and 2 partly masked; block 0 all prompt
+    positions = torch.arange(width)
+    attention = noisy_clean_mask(positions, positions, block)
+    both = torch.cat([noisy, clean], dim=1)
+    with torch.no_grad():
+        out = model(both, torch.cat([positions, positions])[None], block_size=block, attention_mask=attention)
+        for b in range(width // block):  # what the decoder computes for block b: clean blocks < b, then noisy b
+            end = (b + 1) * block
+            seq = torch.cat([clean[:, :b * block], noisy[:, b * block:end]], dim=1)
+            decoder = model(seq, block_size=block)[:, b * block:end]
+            torch.testing.assert_close(out[:, b * block:end], decoder, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[:, width:], model(clean, block_size=block), rtol=1e-5, atol=1e-5)
+        # changing block 1's clean copy leaves block 1's noisy outputs alone and moves block 2's
+        changed = both.clone()
+        changed[0, width + 5] = 7 if int(clean[0, 5]) != 7 else 8
+        moved = model(changed, torch.cat([positions, positions])[None], block_size=block, attention_mask=attention)
+    torch.testing.assert_close(moved[:, 4:8], out[:, 4:8], rtol=0, atol=0)
+    assert not torch.allclose(moved[:, 8:12], out[:, 8:12])
+
+
+def test_an_explicit_attention_mask_must_be_boolean():
+    model = _tiny_sdar()
+    with pytest.raises(ValueError, match="attention_mask must be bool"):
+        model(torch.zeros(1, 4, dtype=torch.long), block_size=4, attention_mask=torch.ones(1, 1, 4, 4))
+
+
+@pytest.mark.slow
+def test_sdar_training_loss_falls_and_the_checkpoint_decodes(tmp_path):
+    config = replace(_small("sdar", 60), block_size=4)
+    log = train(config, tmp_path, progress=False)
+    losses = [loss for _, loss in log["losses"]]
+    assert losses[-1] < 0.75 * losses[0]
+    model = load_model(tmp_path)
+    assert model.config.architecture == "sdar" and model.block_size == 4
+    config_json = json.loads((tmp_path / "config.json").read_text())
+    assert config_json["architectures"] == ["SDARForCausalLM"] and "auto_map" not in config_json
+    engine = Engine.from_model(model, load_tokenizer(tmp_path))
+    [result] = engine.generate(["00457+00038"], DecodeParams(gen_length=16, policy="block-static"))
+    assert len(result.generated_ids) > 0

@@ -25,7 +25,6 @@ import torch
 
 from engine.chat import chat_prompt_ids
 from engine.decoding import DecodeParams, GenerationResult
-from engine.decoding.params import resolve_defaults
 from engine.engine import Engine
 from engine.loading.tokenizer import encode_text
 from tinymodels.checker import graded_part, is_correct
@@ -44,9 +43,16 @@ def dual_cache_refresh(architecture: str) -> int:
     return 16 if architecture == "llada" else 8
 
 
+# Block-diffusion families (docs/decoding.md, "Block-diffusion models"): no dual cache, their own policies.
+BLOCK_ARCHITECTURES = ("sdar", "llada2")
+
+
 def default_configs(architecture: str, gen_length: int = 128, block_length: int = 32) -> list[EvalConfig]:
-    """The paper's comparison and ablation rows, on the built-in canvas."""
+    """The paper's comparison and ablation rows, on the built-in canvas. A block-diffusion model
+    gets its family's decoders and CAI in block mode (pass the block it was trained with)."""
     base = {"gen_length": gen_length, "block_length": block_length, "steps": gen_length}
+    if architecture in BLOCK_ARCHITECTURES:
+        return block_configs(base)
     refresh = dual_cache_refresh(architecture)
     cai = {**base, "policy": "cai", "cache": "dual", "refresh_interval": refresh}
     rows = [
@@ -65,6 +71,17 @@ def default_configs(architecture: str, gen_length: int = 128, block_length: int 
         EvalConfig("CAI full, gate off +exit", {**cai, "gating": False}),
     ]
     return rows
+
+
+def block_configs(base: dict[str, Any]) -> list[EvalConfig]:
+    """SDAR's decoders (one token per step / every candidate above 0.9, as the fixed and Fast-dLLM
+    rows) and CAI per block, gated (the default for SDAR) and not."""
+    return [
+        EvalConfig("block-static", {**base, "policy": "block-static"}),
+        EvalConfig("block-dynamic 0.9", {**base, "policy": "block-dynamic", "threshold": 0.9}),
+        EvalConfig("CAI full, gate on", {**base, "policy": "cai", "gating": True}),
+        EvalConfig("CAI full, gate off", {**base, "policy": "cai", "gating": False}),
+    ]
 
 
 def wilson_interval(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
@@ -143,7 +160,8 @@ def evaluate(engine: Engine, problems: Sequence[Problem], configs: Sequence[Eval
     end_ids = engine.model.special.end_ids
     reports = []
     for config in configs:
-        params = resolve_defaults(DecodeParams.from_dict(config.params), engine.architecture)
+        # the engine's defaults: a block-diffusion model decodes with the block it was trained with
+        params = engine.default_params(DecodeParams.from_dict(config.params))
         report = ConfigReport(config.name, config.params)
         # one warm-up request so first-call allocations are not timed
         runner = Engine.from_model(engine.model, engine.tokenizer, batch_size)

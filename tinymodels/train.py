@@ -14,6 +14,9 @@ random amount of fill, and a `full_canvas_share` of them the whole `gen_length` 
 model still learns what a full canvas of end tokens looks like. Gradients of the micro-batches add
 up to one optimizer step.
 
+`--arch sdar` trains a block-diffusion model instead, with the objective of
+tinymodels/block_objective.py on the same examples, micro-batches, optimizer and schedule.
+
 Reproducible (seeded; the examples of step s depend only on the seed and s), resumable (a training
 state is saved every `checkpoint_every` steps and on interrupt), with a progress bar showing the loss.
 """
@@ -31,12 +34,15 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from engine.models.block_transformer import BlockDiffusionTransformer
 from engine.models.dream import DreamModel
 from engine.models.llada import LLaDAModel
+from engine.models.sdar import SDARModel
 from engine.models.transformer import DiffusionTransformer
 from engine.special_tokens import SpecialTokens
 from tinymodels import char_tokenizer as chars
-from tinymodels.formats import dream_config, generation_config, llada_config, save_checkpoint
+from tinymodels.block_objective import block_diffusion_loss, encode_rows
+from tinymodels.formats import dream_config, generation_config, llada_config, save_checkpoint, sdar_config
 from tinymodels.optim import Optimizer, build_optimizer
 from tinymodels.prompt_forms import prompt_text
 from tinymodels.tasks import Problem, problems
@@ -56,13 +62,22 @@ def hf_config_for(config: TrainConfig) -> dict[str, Any]:
         return llada_config(config.d_model, config.layers, config.heads, config.mlp_hidden, vocab,
                             embedding_size=-(-vocab // 64) * 64, mask_id=mask_id, eos_id=end_id,
                             rope_theta=config.rope_theta)
-    return dream_config(config.d_model, config.layers, config.heads, config.kv_heads or max(1, config.heads // 2),
+    kv_heads = config.kv_heads or max(1, config.heads // 2)
+    if config.arch == "sdar":
+        return sdar_config(config.d_model, config.layers, config.heads, kv_heads, config.d_model // config.heads,
+                           config.mlp_hidden, vocab, mask_id=mask_id, eos_id=end_id, block_size=config.block_size,
+                           rope_theta=config.rope_theta)
+    return dream_config(config.d_model, config.layers, config.heads, kv_heads,
                         config.mlp_hidden, vocab, mask_id=mask_id, eos_id=end_id, rope_theta=config.rope_theta)
 
 
-def build_model(config: TrainConfig) -> tuple[DiffusionTransformer, dict[str, Any]]:
+Model = DiffusionTransformer | BlockDiffusionTransformer
+_MODEL_CLASSES: dict[str, type[Model]] = {"llada": LLaDAModel, "dream": DreamModel, "sdar": SDARModel}
+
+
+def build_model(config: TrainConfig) -> tuple[Model, dict[str, Any]]:
     hf = hf_config_for(config)
-    cls = LLaDAModel if config.arch == "llada" else DreamModel
+    cls = _MODEL_CLASSES[config.arch]
     end_id = chars.special_id(chars.END)
     special = SpecialTokens(mask_id=chars.special_id(chars.MASK), eos_ids=(end_id,), pad_id=end_id)
     torch.manual_seed(config.seed)
@@ -103,6 +118,15 @@ def encode_examples(batch: list[Problem], gen_length: int, plain: Optional[list[
     canvas = torch.zeros_like(ids, dtype=torch.bool)
     canvas[:, width:] = True
     return ids, attention, canvas
+
+
+def encode_block_examples(batch: list[Problem], plain: list[bool], block_size: int,
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-diffusion rows [prompt | response | end fill] and their maskable positions
+    (tinymodels/block_objective.py); `plain` as in `encode_examples`."""
+    forms = ["plain" if bare else "chat" for bare in plain]
+    prompts = _encode([prompt_text(p.prompt, form) for p, form in zip(batch, forms, strict=True)])
+    return encode_rows(prompts, _encode([p.response for p in batch]), block_size, chars.special_id(chars.END))
 
 
 def micro_batches(config: TrainConfig, batch: list[Problem],
@@ -178,10 +202,15 @@ def train_step(model: torch.nn.Module, optimizer: Optimizer, config: TrainConfig
     loss = torch.zeros((), device=device)
     for examples, canvas_length in micro_batches(config, step_examples(config, step), generator):
         plain = (torch.rand(len(examples), generator=generator) < config.plain_prompt_share).tolist()
-        ids, attention, canvas = encode_examples(examples, canvas_length, plain)
-        ids, attention = ids.to(device), attention.to(device)  # masks are drawn on the CPU
-        part = masked_diffusion_loss(model, ids, attention, canvas, generator, config.gen_length,
-                                     config.prefix_mask_share)
+        if isinstance(model, BlockDiffusionTransformer):  # rows sized by their own responses, not the canvas
+            ids, maskable = encode_block_examples(examples, plain, config.block_size)
+            part = block_diffusion_loss(model, ids.to(device), maskable, config.block_size, generator,
+                                        config.gen_length)
+        else:
+            ids, attention, canvas = encode_examples(examples, canvas_length, plain)
+            ids, attention = ids.to(device), attention.to(device)  # masks are drawn on the CPU
+            part = masked_diffusion_loss(model, ids, attention, canvas, generator, config.gen_length,
+                                         config.prefix_mask_share)
         part = part * len(examples) / config.batch_size
         part.backward()
         loss += part.detach()
@@ -190,7 +219,7 @@ def train_step(model: torch.nn.Module, optimizer: Optimizer, config: TrainConfig
     return loss.item()
 
 
-def _export(model: DiffusionTransformer, hf: dict[str, Any], config: TrainConfig, dest: Path) -> None:
+def _export(model: Model, hf: dict[str, Any], config: TrainConfig, dest: Path) -> None:
     save_checkpoint(model, hf, generation_config(config.arch, chars.special_id(chars.END),
                                                  chars.special_id(chars.MASK)), dest)
     chars.write_tokenizer_files(dest)

@@ -9,11 +9,12 @@ from typing import Optional
 from tinymodels.tasks import DEFAULT_MIX, check_mix
 
 OPTIMIZERS = ("adamw", "muon")
+ARCHS = ("llada", "dream", "sdar")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    arch: str = "llada"  # "llada" or "dream"
+    arch: str = "llada"  # "llada", "dream" or "sdar" (block diffusion, tinymodels/block_objective.py)
     # The built-in models' recipe (docs/models.md). Depth mattered more than width: at a similar CPU
     # cost a step, 6 layers of 128 got 67 % of held-out additions right by step 3,880 where 4 layers
     # of 160 got none by step 4,000 (tinymodels/results/train_sweep_gpu.txt).
@@ -54,10 +55,15 @@ class TrainConfig:
     # Start from this checkpoint's weights (same shapes) instead of random ones: a short look at a
     # new task mix on a model that knows the old one. The built-in models are trained from scratch.
     init_from: Optional[str] = None
+    # SDAR: the training block (the block-causal attention's and the mask ratios' unit), written to
+    # config.json as the checkpoint's block_size. The masked-diffusion formats ignore it.
+    block_size: int = 8
 
     def __post_init__(self) -> None:
-        if self.arch not in ("llada", "dream"):
-            raise ValueError(f"arch must be llada or dream, got {self.arch!r}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
         if not 1 <= self.micro_batches <= self.batch_size:
             raise ValueError(f"micro_batches must be in 1..batch_size, got {self.micro_batches}")
         if self.long_canvas < self.gen_length:

@@ -110,13 +110,20 @@ class BlockDiffusionTransformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, *,
                 block_size: int, mask: BlockMask = "block_causal",
                 logits_at: Optional[Positions] = None,
-                hidden_states_out: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
+                hidden_states_out: Optional[list[torch.Tensor]] = None,
+                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Raw logits [B, L, vocab] (or at `logits_at`, see `select_positions`) of a full forward over
         tokens at `position_ids` [B|1, L] (default 0..L-1). `hidden_states_out`, when a list, gets
-        every layer's input and the normed final state (Hugging Face's `output_hidden_states`)."""
+        every layer's input and the normed final state (Hugging Face's `output_hidden_states`).
+        `attention_mask`, a bool [B|1, 1, L, L] (True = may attend), replaces the block mask: training
+        feeds a noisy and a clean copy of a sequence side by side (tinymodels/block_objective.py)."""
         _check_ids(input_ids, block_size)
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        if attention_mask is not None:
+            if attention_mask.dtype != torch.bool:
+                raise ValueError(f"attention_mask must be bool, got {attention_mask.dtype}")
+            return self._run(input_ids, position_ids, attention_mask, None, logits_at, hidden_states_out)
         allowed = block_causal_mask(position_ids, position_ids, block_size)
         if mask == "additive_01":
             attn_mask = allowed.to(self.dtype)

@@ -25,7 +25,8 @@ def add_parser(sub: Any) -> None:
     ev.add_argument("--configs", help="';'-separated: configuration names, JSON objects of decoding knobs, or "
                                       "profile:FILE (a decoding profile, e.g. from `cai-dllm calibrate`)")
     ev.add_argument("--gen-length", type=int, default=128, help="generation canvas of every configuration")
-    ev.add_argument("--block-length", type=int, default=32, help="block length of every configuration")
+    ev.add_argument("--block-length", type=int, help="block length of every configuration (default: 32; a "
+                                                     "block-diffusion model's trained block)")
     add_engine_flags(ev, ("device", "dtype", "quantization", "quantize_head"))
     ev.add_argument("--mix", type=task_mix, help=MIX_HELP)
     ev.add_argument("--json", help="also write the full report to this file")
@@ -53,7 +54,10 @@ def run(args: argparse.Namespace) -> int:
     except (CheckpointError, DeviceError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    configs = default_configs(engine.architecture, args.gen_length, args.block_length)
+    from engine.decoding import DecodeParams
+
+    block_length = args.block_length or engine.default_params(DecodeParams(gen_length=args.gen_length)).block_length
+    configs = default_configs(engine.architecture, args.gen_length, block_length)
     if args.configs:
         try:
             configs = _chosen_configs(args.configs, configs, args.gen_length)

@@ -14,7 +14,7 @@ def add_parser(sub: Any) -> None:
                         description="Flags left out take the built-in recipe: the defaults of "
                                     "tinymodels.train_config.TrainConfig (docs/models.md).")
     from tinymodels.tasks import format_mix
-    from tinymodels.train_config import OPTIMIZERS, TrainConfig
+    from tinymodels.train_config import ARCHS, OPTIMIZERS, TrainConfig
 
     recipe = TrainConfig()
     train_flags: dict[str, tuple[type, str]] = {
@@ -32,8 +32,9 @@ def add_parser(sub: Any) -> None:
         "prefix_mask_share": (float, "share of examples masked only after a random cut in the canvas"),
         "plain_prompt_share": (float, "share of examples prompted with the bare problem text, not the chat template"),
         "init_from": (str, "start from this checkpoint's weights (same shapes) instead of random ones"),
+        "block_size": (int, "sdar: the training block"),
     }
-    choices = {"arch": ("llada", "dream"), "optimizer": OPTIMIZERS}
+    choices = {"arch": ARCHS, "optimizer": OPTIMIZERS}
     tr.add_argument("--out", required=True, help="the checkpoint directory to write")
     for name, (kind, text) in train_flags.items():
         tr.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(recipe, name), help=text,
