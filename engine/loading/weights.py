@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 import torch
+from torch import nn
 
 from engine.devices import resolve
 from engine.errors import CheckpointError, DeviceError
@@ -109,6 +110,15 @@ def _layer_of(param: str) -> Optional[int]:
     return int(parts[1]) if parts[0] == "layers" and len(parts) > 2 else None
 
 
+def _materialize_outside_layers(model: nn.Module, device: torch.device) -> None:
+    """Allocate every module but the decoder layers on `device`. A function of its own so that no
+    loop variable outlives it: one left holding the float output head would keep it resident
+    after `quantize_head` replaced it, for the whole load."""
+    for name, child in model.named_children():
+        if name != "layers":
+            child.to_empty(device=device)
+
+
 def load_model(path: Union[str, Path], device: Union[str, torch.device] = "cpu",
                dtype: Union[str, torch.dtype] = torch.float32, *,
                use_flash_attn: Optional[bool] = None, quantization: str = "none",
@@ -144,9 +154,7 @@ def load_model(path: Union[str, Path], device: Union[str, torch.device] = "cpu",
 
     with torch.no_grad(), ExitStack() as files_open:
         handles = {file: files_open.enter_context(open(file, "rb", buffering=0)) for file in plan}
-        for name, child in model.named_children():
-            if name != "layers":
-                child.to_empty(device=target_device)
+        _materialize_outside_layers(model, target_device)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed.weight
         for file, placement in by_layer.pop(None, []):
