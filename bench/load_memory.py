@@ -5,7 +5,8 @@ format, by default at LLaDA-8B-Instruct's real shapes (its released config.json)
 a fresh process per mode. Each process imports everything first, resets its peak RSS (VmHWM),
 loads, and reports the resident set after loading and its peak during loading, both over the RSS
 before loading (the process's own baseline is printed beside them); a loaded model then runs one
-8-token forward to show it computes. Modes:
+8-token forward to show it computes, after which the resident set is read again (bitsandbytes'
+CPU kernel repacks NF4 weights on their first forward). Modes:
 - `bf16`: `engine.load_model` in bf16;
 - `naive`: the common path the loader is measured against, a materialised model plus
   `safetensors.torch.load_file` of each shard (a whole state dict beside the model);
@@ -130,7 +131,8 @@ if mode != "naive":
         logits = model(torch.arange(8)[None] + 100)
     forward, finite = time.perf_counter() - t, bool(torch.isfinite(logits).all())
 print(json.dumps({"seconds": seconds, "baseline_rss": base, "after_rss": after, "peak_rss": peak,
-                  "expected_bytes": expected, "forward_s": forward, "finite": finite}))
+                  "expected_bytes": expected, "forward_s": forward, "finite": finite,
+                  "after_forward_rss": status("VmRSS:")}))
 """
 
 
@@ -180,8 +182,8 @@ def main(argv: Optional[list[str]] = None) -> None:
           f"= {2 * params / GiB:.2f} GiB (computed)")
     print("resident = RSS after loading minus RSS before; peak = highest RSS during loading minus RSS before")
     print("| mode | head | expected weights | resident after load | peak during load | peak - resident "
-          "| vs bf16 | load s | 8-token forward s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| vs bf16 | load s | 8-token forward s | resident after the forward |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for mode in modes:
         quantized = mode in ("int8", "int4")
         for head in (False,) if args.no_head_variants or not quantized else (False, True):
@@ -190,10 +192,12 @@ def main(argv: Optional[list[str]] = None) -> None:
             if not r["finite"]:
                 raise SystemExit(f"{mode}: non-finite logits")
             forward = "-" if r["forward_s"] is None else f"{r['forward_s']:.1f}"
+            ran = r["after_forward_rss"] - r["baseline_rss"]
+            after_forward = "-" if r["forward_s"] is None else f"{ran / GB:.2f} GB"
             print(f"| {mode} | {'quantized' if head else 'bf16'} | {r['expected_bytes'] / GB:.2f} GB "
                   f"| {resident / GB:.2f} GB ({resident / GiB:.2f} GiB) | {peak / GB:.2f} GB ({peak / GiB:.2f} GiB) "
                   f"| {(peak - resident) / GB:.2f} GB | {resident / (2 * params):.2f}x | {r['seconds']:.0f} "
-                  f"| {forward} |")
+                  f"| {forward} | {after_forward} |")
             print(f"  (process baseline before loading: {r['baseline_rss'] / GB:.2f} GB)", flush=True)
 
 

@@ -86,21 +86,26 @@ def _nf4_state(weight: torch.Tensor, rows_per_call: int) -> tuple[torch.Tensor, 
                                          state2=state2)
 
 
+def nf4_fits(in_features: int) -> bool:
+    """Whether NF4 blocks tile each weight row: bitsandbytes' packed CPU kernel (taken in eval mode on
+    CPUs with AVX512-BF16) refuses rows that a block straddles, so such a layer (only in models too
+    small to matter: real checkpoints' widths are multiples of 64) stays in the model dtype."""
+    return in_features % NF4_BLOCK == 0
+
+
 def _bnb_nf4_linear(linear: nn.Linear) -> nn.Module:
     _quiet_library_logs()
     import bitsandbytes as bnb
 
+    if not nf4_fits(linear.in_features):
+        return linear
     weight = linear.weight.data
     quantized = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
                                   compute_dtype=weight.dtype, quant_type="nf4", device="meta")
-    if linear.in_features % NF4_BLOCK:  # blocks would straddle rows: one call over the whole weight
-        quantized.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4",
-                                             blocksize=NF4_BLOCK).to(weight.device)
-    else:
-        rows = max(1, NF4_VALUES_PER_CALL // linear.in_features)
-        data, state = _nf4_state(weight, rows)
-        quantized.weight = bnb.nn.Params4bit(data, requires_grad=False, quant_state=state, blocksize=NF4_BLOCK,
-                                             compress_statistics=True, quant_type="nf4", bnb_quantized=True)
+    rows = max(1, NF4_VALUES_PER_CALL // linear.in_features)
+    data, state = _nf4_state(weight, rows)
+    quantized.weight = bnb.nn.Params4bit(data, requires_grad=False, quant_state=state, blocksize=NF4_BLOCK,
+                                         compress_statistics=True, quant_type="nf4", bnb_quantized=True)
     if linear.bias is not None:
         quantized.bias = nn.Parameter(linear.bias.data, requires_grad=False)
     return quantized
@@ -126,14 +131,22 @@ def quantize_linear(linear: nn.Linear, mode: str) -> nn.Module:
 
 
 def quantize_linears(module: nn.Module, mode: str) -> None:
-    """Quantize every float `nn.Linear` below `module`, in place."""
+    """Quantize every float `nn.Linear` below `module`, in place, except under a module that says
+    `quantizable = False` (LLaDA2's stacked routed experts)."""
     if mode == "none":
         return
     convert = _converter(mode)
-    for parent in list(module.modules()):
+    for parent in _quantizable_modules(module):
         for name, child in list(parent.named_children()):
             if _is_float_linear(child):
                 setattr(parent, name, convert(child))
+
+
+def _quantizable_modules(module: nn.Module) -> list[nn.Module]:
+    """`module` and its descendants, less any subtree whose root says `quantizable = False`."""
+    if not getattr(module, "quantizable", True):
+        return []
+    return [module] + [m for child in module.children() for m in _quantizable_modules(child)]
 
 
 def check_quantization(mode: str, device: torch.device, dtype: torch.dtype) -> None:
@@ -168,7 +181,7 @@ def check_quantization(mode: str, device: torch.device, dtype: torch.dtype) -> N
 def linear_weight_bytes(out_features: int, in_features: int, mode: str, dtype: torch.dtype) -> int:
     """The bytes one linear layer's weight takes in `mode` (scales included; a bias is extra)."""
     numel = out_features * in_features
-    if mode == "none":
+    if mode == "none" or (mode == "int4" and not nf4_fits(in_features)):
         return numel * dtype.itemsize
     if mode in ("int8", "fp8"):
         return numel + out_features * (4 + (1 if mode == "int8" else 0))  # float32 scale (+ int8 zero point)
@@ -180,10 +193,11 @@ def linear_weight_bytes(out_features: int, in_features: int, mode: str, dtype: t
 
 def quantized_model_bytes(model: nn.Module, mode: str, dtype: torch.dtype, quantize_head: bool = False) -> int:
     """Bytes of every parameter of `model` (which may live on the meta device) once loaded in `mode`:
-    the decoder layers' linear weights quantized, the rest in `dtype`."""
+    the decoder layers' quantizable linear weights quantized, the rest in `dtype`."""
     layers = model.layers
     head = getattr(model, "lm_head", None)
-    quantized = {id(m.weight): m for m in layers.modules() if isinstance(m, nn.Linear)}
+    quantized = {id(m.weight): m for parent in _quantizable_modules(layers) for m in parent.children()
+                 if isinstance(m, nn.Linear)}
     if quantize_head and head is not None:
         quantized[id(head.weight)] = head
     total = 0

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.models.attention import AttentionFn, sdpa_attention
@@ -85,7 +84,7 @@ class BlockAttention(nn.Module):
         forward's keys/values were written into them."""
         batch, length, _ = x.shape
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).view(
+        qkv = self.qkv_proj.forward(x).view(
             batch, length, heads + 2 * kv_heads, self.head_dim)
         q, k, v = qkv.split((heads, kv_heads, kv_heads), dim=2)
         if self.q_norm is not None and self.k_norm is not None:
@@ -109,7 +108,7 @@ class BlockAttention(nn.Module):
         if mask.dtype != torch.bool:
             mask = mask.to(q.dtype)  # SDPA wants an additive mask in the query dtype
         out = self.kernel(q, k, v, mask)
-        return F.linear(out.transpose(1, 2).reshape(batch, length, -1), self.o_proj.weight)
+        return self.o_proj.forward(out.transpose(1, 2).reshape(batch, length, -1))
 
 
 class BlockDecoderLayer(nn.Module):

@@ -70,6 +70,10 @@ class GroupedExperts(nn.Module):
     """All routed experts' SwiGLU weights stacked: gate|up rows of expert e at [e·2I, (e+1)·2I), down
     rows at [e·H, (e+1)·H); the loader fills them expert by expert through the shard names."""
 
+    # forward views the stacked weights as [experts, rows, columns], which neither quantization
+    # library's weight supports: the routed experts stay in the model dtype (engine.quantization)
+    quantizable = False
+
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int) -> None:
         super().__init__()
         self.hidden_size = hidden_size
