@@ -199,7 +199,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="rows decoded together")
     parser.add_argument("--mix", type=parse_mix, help="task kinds and weights, KIND=WEIGHT,... (default: "
                                                       "the model's training mix, tinymodels.evaluate.model_mix)")
-    # v2's answers are 41-97 characters: at 32 no held-out problem fits (v1's sweep was 32 / 64 / 128)
+    # the bundled models' answers are 41-97 characters: at 32 no held-out problem would fit
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 96, 128],
                         help="generation lengths of the sweep (each a multiple of 32 or at most 32)")
     args = parser.parse_args()

@@ -27,11 +27,11 @@ class EngineConfig:
     # the most tokens one likelihood-scoring request may feed the model: (n - 1) x samples x n for a
     # prompt of n tokens (engine.scoring); beyond it the request is refused. The default is what the
     # bundled model scores well within the server's 60 s stall timeout on a 2-core CPU (~13 k tokens/s
-    # on one thread, bench/scoring_chunks.py): a request at the limit ends in about 40 s
+    # on one thread, `bench/score_variance.py chunks`): a request at the limit ends in about 40 s
     max_score_tokens: int = 1 << 19
     # the most tokens one scoring forward feeds the model (at least one row of the prompt): the server
     # runs a scoring request as such chunks between decode steps, so a step waits on one at most.
-    # About the tokens a full batch's step feeds; smaller chunks cost no throughput (bench/scoring_chunks.py)
+    # About the tokens a full batch's step feeds; smaller chunks cost no throughput (`score_variance.py chunks`)
     score_chunk_tokens: int = 1024
     # torch's intra-op CPU threads; None: the CPUs this process may use (engine.cpus: affinity and
     # cgroup quota, at most OMP_NUM_THREADS), not torch's default of every core of the machine

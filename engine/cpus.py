@@ -3,8 +3,8 @@
 torch sizes its intra-op pool from the machine's cores. In a container with a CPU limit on a larger
 node, or on cores another busy process shares, that pool is larger than the CPU time it gets, and
 its threads spend the step waiting for each other at OpenMP barriers (docs/operations.md, "CPU
-threads", measured by bench/threads.py). `EngineConfig.threads` defaults to this count instead
-(`default_threads`).
+threads", measured by `bench/server_vs_offline.py threads`). `EngineConfig.threads` defaults to this
+count instead (`default_threads`).
 """
 
 from __future__ import annotations

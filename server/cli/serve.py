@@ -35,7 +35,7 @@ def add_parser(sub: Any) -> None:
     add_setting(engine, "max_score_tokens", type=int,
                 help="most tokens one likelihood-scoring request (echo + logprobs) may feed the model; the "
                      "default is what the bundled model scores within the 60 s --stall-timeout on a 2-core CPU "
-                     "(about 40 s at the 13 k tokens/s of bench/scoring_chunks.py)")
+                     "(about 40 s at the 13 k tokens/s of bench/score_variance.py chunks)")
     add_setting(engine, "score_chunk_tokens", type=int,
                 help="most tokens one scoring forward feeds the model; a scoring request runs as such chunks "
                      "between decode steps, so a step waits on one at most")
