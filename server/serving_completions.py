@@ -13,14 +13,7 @@ from engine.decoding.types import TokenLogprob
 from engine.loading.tokenizer import encode_text
 from server.errors import APIError, QueueFull, ShuttingDown, engine_error
 from server.output import ChoiceOutput, Echo, LoggedToken, logged_tokens
-from server.protocol import (
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    Usage,
-    now,
-)
+from server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage, now
 from server.request_cost import check_decode_steps
 from server.serving_base import ServingBase
 
