@@ -42,6 +42,7 @@ from server.protocol import (
     TokenizeRequest,
 )
 from server.request_body import read_json
+from server.serving_base import check_model
 from server.serving_chat import ChatServing
 from server.serving_completions import CompletionServing
 from server.serving_tokenization import TokenizationServing
@@ -254,9 +255,7 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
     @app.get("/v1/models/{model_id:path}")
     async def model_info(model_id: str) -> Any:
         card = model_card()
-        if model_id != card.id:
-            raise APIError(404, f"The model '{model_id}' does not exist; this server serves '{card.id}'",
-                           param="model", code="model_not_found")
+        check_model(model_id, card.id)
         return card.model_dump()
 
     @app.post("/tokenize")
