@@ -170,18 +170,11 @@ class ServingBase:
             # max_tokens rounds up to whole blocks of the model's own block, as the official decoders
             # round the canvas (a block of max_tokens would change what the model decodes)
             knobs["block_length"] = self.loop.model_block_length
-        for name in ("temperature", "seed", "top_p", "top_k", "min_p"):
-            if getattr(body, name) is not None:
-                knobs[name] = getattr(body, name)
-        if body.ignore_eos:
-            knobs["ignore_eos"] = True
-        logprobs = self.logprobs_asked(body)
-        if logprobs is not None:
-            knobs["logprobs"] = logprobs
-        if max_tokens is not None:
-            knobs["gen_length"] = canvas_for_max_tokens(max_tokens, knobs)
-        else:
-            knobs["gen_length"] = canvas_within(knobs, self.max_model_len - longest_prompt)
+        fields = {name: getattr(body, name) for name in ("temperature", "seed", "top_p", "top_k", "min_p")}
+        fields.update(ignore_eos=body.ignore_eos or None, logprobs=self.logprobs_asked(body))
+        knobs.update({name: value for name, value in fields.items() if value is not None})
+        knobs["gen_length"] = (canvas_for_max_tokens(max_tokens, knobs) if max_tokens is not None
+                               else canvas_within(knobs, self.max_model_len - longest_prompt))
         try:
             if any(name in decoding for name in _OPENAI_KNOBS):
                 # an OpenAI field set above wins over the decoding object's value, which must still be
@@ -189,13 +182,8 @@ class ServingBase:
                 DecodeParams.from_dict({**knobs, **_integral_knobs(decoding)})
             return DecodeParams.from_dict(knobs)
         except DecodeParamError as err:
-            from_body = err.param in (body.decoding or {}) or err.param == "gen_length"
-            if err.param == "gen_length":
-                param = "max_tokens"
-            elif err.param == "logprobs" and "logprobs" not in (body.decoding or {}):
-                param = self.logprobs_field
-            else:
-                param = f"decoding.{err.param}" if from_body else err.param
+            renamed = {"gen_length": "max_tokens", "logprobs": self.logprobs_field}
+            param = f"decoding.{err.param}" if err.param in decoding else renamed.get(err.param, err.param)
             raise APIError(400, str(err), param=param, code=INVALID_DECODING) from None
         except TypeError as err:
             raise APIError(400, f"invalid decoding object: {err}", param="decoding", code=INVALID_DECODING) from None
