@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 
-def fail(message: str) -> int:
+def fail(message: object) -> int:
     """A one-line error on stderr and the exit code of a usage or input error."""
     print(f"error: {message}", file=sys.stderr)
     return 2

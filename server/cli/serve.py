@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any, Optional
 
-from server.cli.args import add_setting, engine_flag_options, exit_now, json_list
+from server.cli.args import add_setting, engine_flag_options, exit_now, fail, json_list
 
 
 def _cpus() -> int:
@@ -90,8 +90,7 @@ def run(args: argparse.Namespace) -> int:
 
         profile_table(load_profile(path) for path in settings.decoding_profiles)
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return fail(err)
     taken = _port_refusal(settings.host, settings.port)
     if taken is not None:  # before loading anything: a one-line error, not a model load and a traceback
         print(f"error: cannot listen on {settings.host}:{settings.port}: {taken}", file=sys.stderr)
