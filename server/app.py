@@ -42,6 +42,7 @@ from server.protocol import (
     TokenizeRequest,
 )
 from server.request_body import read_json
+from server.serving_base import check_model
 from server.serving_chat import ChatServing
 from server.serving_completions import CompletionServing
 from server.serving_tokenization import TokenizationServing
@@ -225,17 +226,14 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
             raise APIError(400, "Request body is nested too deeply", code="invalid_json") from None
         return body
 
+    # each route asks for its serving object before it reads the body: a server not ready answers 503 first
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        serving = state.require_serving()
-        body = await read_body(request, CompletionRequest)
-        return await serving.completions.create(body, request)
+        return await state.require_serving().completions.create(await read_body(request, CompletionRequest), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        serving = state.require_serving()
-        body = await read_body(request, ChatCompletionRequest)
-        return await serving.chat.create(body, request)
+        return await state.require_serving().chat.create(await read_body(request, ChatCompletionRequest), request)
 
     def model_card() -> ModelCard:
         serving = state.require_serving().completions
@@ -254,15 +252,12 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
     @app.get("/v1/models/{model_id:path}")
     async def model_info(model_id: str) -> Any:
         card = model_card()
-        if model_id != card.id:
-            raise APIError(404, f"The model '{model_id}' does not exist; this server serves '{card.id}'",
-                           param="model", code="model_not_found")
+        check_model(model_id, card.id)
         return card.model_dump()
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Any:
-        serving = state.require_serving()
-        return serving.tokenization.tokenize(await read_body(request, TokenizeRequest))
+        return state.require_serving().tokenization.tokenize(await read_body(request, TokenizeRequest))
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> Any:
@@ -270,8 +265,7 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Any:
-        serving = state.require_serving()
-        return serving.tokenization.detokenize(await read_body(request, DetokenizeRequest))
+        return state.require_serving().tokenization.detokenize(await read_body(request, DetokenizeRequest))
 
     @app.get("/health")
     async def health() -> Response:

@@ -25,7 +25,6 @@ from typing import Any, Optional
 from engine import Engine, GenerationRequest, GenerationResult, StepOutput
 from engine.decoding.params import DEFAULT_BLOCK_LENGTH
 from engine.decoding.types import TokenLogprob
-from engine.scoring import ScoringJob
 from server.energy import EnergyMeter, share_energy
 from server.errors import QueueFull
 from server.metrics import Metrics
@@ -156,7 +155,12 @@ class EngineLoop:
         chunk between two decode steps. RequestError for a prompt or sample count the engine
         refuses; QueueFull when the waiting queue is full."""
         job = await asyncio.to_thread(self.engine.scoring_job, prompt_ids, samples, seed)
-        return await self._queue_scoring(job)
+        with self._lock:  # jobs behind the one running count against the waiting queue
+            if self._waiting_after(0) + len(self._scoring) > self.max_queue:
+                raise QueueFull
+            future = self._scoring.add(job)
+        self._wake.set()
+        return await future
 
     # ------------------------------------------------------------------ called from the event loop
 
@@ -223,17 +227,6 @@ class EngineLoop:
         waiting = self.engine.num_waiting + 1
         return max(1, min(RETRY_AFTER_MAX, math.ceil(waiting / rate)))
 
-    def _queue_scoring(self, job: ScoringJob) -> asyncio.Future:
-        """Run a likelihood-scoring job on the engine thread, a chunk between two decode steps
-        (server/scoring_jobs.py); the future gets its per-token logprobs or its exception. Jobs
-        behind the one running count against the waiting queue (QueueFull)."""
-        with self._lock:
-            if self._waiting_after(0) + len(self._scoring) > self.max_queue:
-                raise QueueFull
-            future = self._scoring.add(job)
-        self._wake.set()
-        return future
-
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._active.pop(request_id, None)
@@ -281,8 +274,7 @@ class EngineLoop:
         m.labels(m.waiting).set(self.engine.num_waiting)
         m.labels(m.running).set(self.engine.num_running)
 
-    def _step(self) -> int:
-        """One engine step; returns how many rows it finished."""
+    def _step(self) -> None:
         m = self.metrics
         before = self.meter.read_joules()
         outputs = self.engine.step()
@@ -303,7 +295,6 @@ class EngineLoop:
                     sub.joules += shares.get(output.request_id, 0.0)
         now = time.perf_counter()
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Event]]] = {}
-        finished = 0
         for sub, output in zip(subs, outputs, strict=True):
             m.labels(m.tokens_per_step).observe(output.committed)
             if sub is None:  # aborted while the step ran
@@ -311,17 +302,15 @@ class EngineLoop:
             event = self._event(sub, output, now)
             if event is not None:
                 by_loop.setdefault(sub.loop, []).append((sub.queue, event))
-            finished += output.finished
             if output.finished:
                 self._finish_times.append(now)
         for loop, events in by_loop.items():
             loop.call_soon_threadsafe(_deliver, events)
         self._update_gauges()
-        return finished
 
     def _event(self, sub: Submission, output: StepOutput, now: float) -> Optional[Event]:
         m = self.metrics
-        if output.new_token_ids and sub.first_token is None:
+        if sub.first_token is None and (output.new_token_ids or output.result is not None):
             sub.first_token = now
             m.labels(m.ttft).observe(now - sub.submitted)
         if output.result is None:
@@ -343,11 +332,7 @@ class EngineLoop:
         return Event("done", sub.choice, ids=ids, logprobs=logprobs, result=output.result, joules=joules)
 
     def _observe_finish(self, sub: Submission, result: GenerationResult, now: float) -> None:
-        m = self.metrics
-        if sub.first_token is None:
-            sub.first_token = now
-            m.labels(m.ttft).observe(now - sub.submitted)
-        stats = result.stats
+        m, stats = self.metrics, result.stats
         m.labels(m.queue_time).observe(stats.queue_time)
         m.labels(m.e2e).observe(now - sub.submitted)
         m.labels(m.nfe).observe(stats.nfe)

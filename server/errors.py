@@ -25,15 +25,11 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return error_body(self.status, self.message, self.param, self.code)
+        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def error_body(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param,
-                      "code": code}}
 
 
 def error_response(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,

@@ -51,28 +51,25 @@ class CompletionResponse(BaseModel):
     usage: Usage
 
 
-_GENERATION_ERRORS = {400: "Invalid request (the message names the parameter)", 401: "Missing or wrong API key",
-                      404: "Unknown model", 413: "Request body too large", 429: "Waiting queue full (Retry-After)",
-                      503: "Not ready or shutting down", 504: "Request timeout"}
+_BAD = {400: "Invalid request (the message names the parameter)"}
+_AUTH = {401: "Missing or wrong API key"}
+_MODEL = {404: "Unknown model"}
+_LARGE = {413: "Request body too large"}
+_BUSY = {503: "Not ready or shutting down"}
+_GENERATION_ERRORS = {**_BAD, **_AUTH, **_MODEL, **_LARGE, 429: "Waiting queue full (Retry-After)", **_BUSY,
+                      504: "Request timeout"}
 _ROUTES: dict[tuple[str, str], dict[str, Any]] = {
     ("/v1/completions", "post"): {"body": CompletionRequest, "ok": CompletionResponse, "stream": True,
                                   "errors": _GENERATION_ERRORS},
     ("/v1/chat/completions", "post"): {"body": ChatCompletionRequest, "ok": CompletionResponse, "stream": True,
                                        "errors": _GENERATION_ERRORS},
-    ("/v1/models", "get"): {"ok": ModelList, "errors": {401: "Missing or wrong API key",
-                                                        503: "Not ready or shutting down"}},
-    ("/v1/models/{model_id}", "get"): {"ok": ModelCard, "errors": {401: "Missing or wrong API key",
-                                                                   404: "Unknown model",
-                                                                   503: "Not ready or shutting down"}},
-    ("/tokenize", "post"): {"body": TokenizeRequest, "ok": TokenizeResponse, "errors": {
-        400: "Invalid request (the message names the parameter)", 401: "Missing or wrong API key",
-        404: "Unknown model", 413: "Request body too large", 503: "Not ready or shutting down"}},
-    ("/tokenizer_info", "get"): {"ok": TokenizerInfo, "errors": {401: "Missing or wrong API key",
-                                                                 404: "The model has no tokenizer",
-                                                                 503: "Not ready or shutting down"}},
-    ("/detokenize", "post"): {"body": DetokenizeRequest, "ok": DetokenizeResponse, "errors": {
-        400: "Invalid request (the message names the parameter)", 401: "Missing or wrong API key",
-        404: "Unknown model", 413: "Request body too large", 503: "Not ready or shutting down"}},
+    ("/v1/models", "get"): {"ok": ModelList, "errors": {**_AUTH, **_BUSY}},
+    ("/v1/models/{model_id}", "get"): {"ok": ModelCard, "errors": {**_AUTH, **_MODEL, **_BUSY}},
+    ("/tokenize", "post"): {"body": TokenizeRequest, "ok": TokenizeResponse,
+                            "errors": {**_BAD, **_AUTH, **_MODEL, **_LARGE, **_BUSY}},
+    ("/tokenizer_info", "get"): {"ok": TokenizerInfo, "errors": {**_AUTH, 404: "The model has no tokenizer", **_BUSY}},
+    ("/detokenize", "post"): {"body": DetokenizeRequest, "ok": DetokenizeResponse,
+                              "errors": {**_BAD, **_AUTH, **_MODEL, **_LARGE, **_BUSY}},
     ("/health", "get"): {"errors": {503: "Engine dead, stalled, or the model failed to load"}},
     ("/ready", "get"): {"errors": {503: "Loading or shutting down"}},
 }

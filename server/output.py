@@ -25,15 +25,9 @@ def finish_reason_of(engine_reason: str, stopped_by_string: bool, cut_at_max_tok
     """The one mapping from engine outcomes to OpenAI's finish_reason. A stop string is found in the
     text of the first max_tokens tokens only, so it wins over max_tokens when the same delta brings
     both (a block-diffusion model's whole block does)."""
-    if stopped_by_string:
-        return "stop"
-    if cut_at_max_tokens:
-        return "length"
-    if engine_reason == "stop":
-        return "stop"
-    if engine_reason == "length":
-        return "length"
-    return "abort"
+    if stopped_by_string or cut_at_max_tokens:
+        return "stop" if stopped_by_string else "length"
+    return engine_reason if engine_reason in ("stop", "length") else "abort"
 
 
 def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int:

@@ -4,7 +4,7 @@ Every field a request may carry is declared, so the JSON schema (`/openapi.json`
 server accepts: unknown fields are refused (`additionalProperties: false`), and the OpenAI and vLLM
 fields this server does not implement are declared with the only values that ask for nothing we do
 not do (`echo: false`, `presence_penalty: 0`, `tools: []`...): any other value is a 400 that names the
-field and says why (`NOT_SUPPORTED`).
+field and says why (`neutral`).
 """
 
 from __future__ import annotations
@@ -20,32 +20,15 @@ from pydantic_core import PydanticCustomError
 from engine.decoding.params import json_schema as decoding_schema
 from engine.decoding.types import RequestStats
 
-# Why a field is accepted only at its neutral value(s).
 _NO_PENALTIES = ("a diffusion decoder commits tokens in parallel and out of order, so there is no running "
                  "history of generated tokens for a penalty to count")
 _NO_TOOLS = "tool and function calling are not implemented"
-NOT_SUPPORTED: dict[str, str] = {
-    "presence_penalty": _NO_PENALTIES,
-    "frequency_penalty": _NO_PENALTIES,
-    "repetition_penalty": _NO_PENALTIES,
-    "best_of": "best_of is not implemented; use n",
-    "logit_bias": "logit_bias is not implemented",
-    "suffix": "insertion (suffix) is not implemented",
-    "tools": _NO_TOOLS, "tool_choice": _NO_TOOLS, "functions": _NO_TOOLS, "function_call": _NO_TOOLS,
-    "parallel_tool_calls": _NO_TOOLS,
-    "response_format": "structured output is not implemented; only {\"type\": \"text\"}",
-    "audio": "audio output is not implemented", "modalities": "only text output",
-    "prediction": "predicted outputs are not implemented",
-    "reasoning_effort": "this model has no reasoning effort setting",
-    "web_search_options": "web search is not implemented",
-}
+_ONLY_TEXT = 'structured output is not implemented; only {"type": "text"}'
 
 
 def _integral(value: Any) -> Any:
     """JSON Schema counts 7.0 as an integer, and so do we (clients that write every number as a float)."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def integer(**constraints: Any) -> Any:
@@ -54,14 +37,14 @@ def integer(**constraints: Any) -> Any:
     return Annotated[int, Field(**constraints), BeforeValidator(_integral)]
 
 
-def neutral(field: str, allowed: list[Any]) -> Any:
+def neutral(allowed: list[Any], why: str) -> Any:
     """A type accepting only the values in `allowed` (compared as JSON compares them), documented as
-    an enum; anything else is refused with NOT_SUPPORTED[field]."""
+    an enum; anything else is refused, saying `why`."""
 
     def check(value: Any) -> Any:
         if any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in allowed):
             return value
-        raise PydanticCustomError("unsupported_value", "{why}", {"why": NOT_SUPPORTED[field]})
+        raise PydanticCustomError("unsupported_value", "{why}", {"why": why})
 
     return Annotated[Any, BeforeValidator(check), WithJsonSchema({"enum": allowed})]
 
@@ -79,8 +62,7 @@ def decoding_object_schema() -> dict[str, Any]:
     return schema
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class StreamOptions(_Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
@@ -101,16 +83,14 @@ class _Sampling(_Body):
     user: Optional[str] = None
     decoding: Annotated[Optional[dict[str, Any]],
                         WithJsonSchema({"anyOf": [decoding_object_schema(), {"type": "null"}]})] = None
-    presence_penalty: neutral("presence_penalty", [0, None]) = None  # type: ignore[valid-type]
-    frequency_penalty: neutral("frequency_penalty", [0, None]) = None  # type: ignore[valid-type]
-    repetition_penalty: neutral("repetition_penalty", [1, None]) = None  # type: ignore[valid-type]
-    logit_bias: neutral("logit_bias", [None, {}]) = None  # type: ignore[valid-type]
+    presence_penalty: neutral([0, None], _NO_PENALTIES) = None  # type: ignore[valid-type]
+    frequency_penalty: neutral([0, None], _NO_PENALTIES) = None  # type: ignore[valid-type]
+    repetition_penalty: neutral([1, None], _NO_PENALTIES) = None  # type: ignore[valid-type]
+    logit_bias: neutral([None, {}], "logit_bias is not implemented") = None  # type: ignore[valid-type]
 
     @property
     def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
 
 
 # What the schema can say about a prompt; the vocabulary bound and the context length are checked at
@@ -123,29 +103,23 @@ class CompletionRequest(_Sampling):
     prompt: Union[_Text, Annotated[list[_Text], Field(min_length=1)], _Ids, Annotated[list[_Ids], Field(min_length=1)]]
     logprobs: Optional[integer(ge=0)] = None  # top alternatives per token (OpenAI: up to 5; here --max-logprobs)
     echo: Optional[bool] = None  # the prompt comes back before the completion; with logprobs, scored
-    best_of: neutral("best_of", [1, None]) = None  # type: ignore[valid-type]
-    suffix: neutral("suffix", [None, ""]) = None  # type: ignore[valid-type]
+    best_of: neutral([1, None], "best_of is not implemented; use n") = None  # type: ignore[valid-type]
+    suffix: neutral([None, ""], "insertion (suffix) is not implemented") = None  # type: ignore[valid-type]
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class ContentPart(_Body):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer"]
     content: Union[str, list[ContentPart], None]  # None: an empty message (OpenAI allows it for assistants)
     name: Optional[str] = None
 
     @property
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content or ())
 
 
 class ChatCompletionRequest(_Sampling):
@@ -153,17 +127,17 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Optional[integer(ge=1)] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[integer(ge=0)] = None
-    tools: neutral("tools", [None, []]) = None  # type: ignore[valid-type]
-    tool_choice: neutral("tool_choice", [None, "none"]) = None  # type: ignore[valid-type]
-    functions: neutral("functions", [None, []]) = None  # type: ignore[valid-type]
-    function_call: neutral("function_call", [None, "none"]) = None  # type: ignore[valid-type]
-    parallel_tool_calls: neutral("parallel_tool_calls", [None, False, True]) = None  # type: ignore[valid-type]
-    response_format: neutral("response_format", [None, {"type": "text"}]) = None  # type: ignore[valid-type]
-    audio: neutral("audio", [None]) = None  # type: ignore[valid-type]
-    modalities: neutral("modalities", [None, ["text"]]) = None  # type: ignore[valid-type]
-    prediction: neutral("prediction", [None]) = None  # type: ignore[valid-type]
-    reasoning_effort: neutral("reasoning_effort", [None]) = None  # type: ignore[valid-type]
-    web_search_options: neutral("web_search_options", [None]) = None  # type: ignore[valid-type]
+    tools: neutral([None, []], _NO_TOOLS) = None  # type: ignore[valid-type]
+    tool_choice: neutral([None, "none"], _NO_TOOLS) = None  # type: ignore[valid-type]
+    functions: neutral([None, []], _NO_TOOLS) = None  # type: ignore[valid-type]
+    function_call: neutral([None, "none"], _NO_TOOLS) = None  # type: ignore[valid-type]
+    parallel_tool_calls: neutral([None, False, True], _NO_TOOLS) = None  # type: ignore[valid-type]
+    response_format: neutral([None, {"type": "text"}], _ONLY_TEXT) = None  # type: ignore[valid-type]
+    audio: neutral([None], "audio output is not implemented") = None  # type: ignore[valid-type]
+    modalities: neutral([None, ["text"]], "only text output") = None  # type: ignore[valid-type]
+    prediction: neutral([None], "predicted outputs are not implemented") = None  # type: ignore[valid-type]
+    reasoning_effort: neutral([None], "this model has no reasoning effort setting") = None  # type: ignore[valid-type]
+    web_search_options: neutral([None], "web search is not implemented") = None  # type: ignore[valid-type]
     # accepted and unused: they ask for nothing that changes the answer
     service_tier: Optional[str] = None
     store: Optional[bool] = None
@@ -197,9 +171,8 @@ class DecodingSummary(BaseModel):
 
     @classmethod
     def of(cls, stats: RequestStats, joules: Optional[float]) -> DecodingSummary:
-        return cls(nfe=stats.nfe, steps=stats.steps, steps_saved=stats.steps_saved,
-                   fixed_step_budget=stats.fixed_step_budget, forced_commits=stats.forced_commits,
-                   grinding_exits=stats.grinding_exits, token_edits=stats.token_edits, energy_joules=joules)
+        measured = {name: getattr(stats, name) for name in cls.model_fields if name != "energy_joules"}
+        return cls(**measured, energy_joules=joules)
 
 
 # ------------------------------------------------------------------------------ response bodies
@@ -293,10 +266,8 @@ class ChatCompletionChunk(_ResponseHead):
     usage: Optional[Usage] = None
 
 
-# Ids come from a generator of our own, not uuid4: os.urandom releases the GIL, and with the engine
-# thread running a cProfile of the event loop showed each call taking ~0.9 ms to get it back (two
-# calls a request). End to end the saving is inside this 2-core machine's noise (docs/server.md). Seeded
-# from os.urandom once, and again in a forked child, so two processes never hand out the same ids.
+# Ids come from a generator of our own, not uuid4, whose os.urandom releases the GIL to the busy engine
+# thread; reseeded in a forked child, so two processes never hand out the same ids.
 _ID_SOURCE = random.Random()
 os.register_at_fork(after_in_child=_ID_SOURCE.seed)
 

@@ -1,17 +1,10 @@
 """What the generating endpoints share: from an OpenAI request to engine submissions, and the one loop
 from engine events to the text a client may be sent.
 
-- decoding knobs: model defaults <- `--default-decoding` <- a decoding profile <- the request's
-  `decoding` object <- its OpenAI and vLLM fields (`temperature`, `seed`, `top_p`, `top_k`, `min_p`,
-  `ignore_eos`, logprobs, `max_tokens`); the engine validates the request and fills the model's
-  defaults once, when it is submitted;
-- `max_tokens` sets the generation canvas, rounded up to whole blocks
-  (`engine.decoding.params.canvas_for_max_tokens`), and is a ceiling: the output path cuts the
-  response at max_tokens tokens (finish_reason "length") and frees the row;
-- one loop (`_run`) serves streamed and whole responses alike: it feeds each choice's token deltas
-  to its `ChoiceOutput` (server/output.py: incremental detokenization, end tokens, stop strings,
-  finish reasons) and yields what may be sent; a whole response is the same pieces joined.
-
+Decoding knobs: model defaults <- `--default-decoding` <- a decoding profile <- the request's
+`decoding` object <- its OpenAI and vLLM fields. `max_tokens` sets the canvas, rounded up to whole
+blocks, and is a ceiling: the output path cuts the response there. One loop (`_run`) serves streamed
+and whole responses alike through each choice's `ChoiceOutput` (server/output.py).
 `serving_completions.py` and `serving_chat.py` say what differs: the prompt, the logprobs field,
 the response and chunk objects.
 """
@@ -37,8 +30,8 @@ from server.engine_loop import EngineLoop, QueueFull, Submission
 from server.errors import APIError, ClientDisconnected, engine_error
 from server.metrics import Metrics
 from server.output import ChoiceOutput
-from server.protocol import ChatCompletionRequest, CompletionRequest, DecodingSummary, Usage, new_id
-from server.request_cost import DECODE_STEPS_EXCEEDED
+from server.protocol import ChatCompletionRequest, CompletionRequest, DecodingSummary, Usage, new_id, now
+from server.request_cost import DECODE_STEPS_EXCEEDED, check_decode_steps
 from server.settings import ServerSettings
 
 log = logging.getLogger("uvicorn.error")
@@ -72,9 +65,10 @@ def _integral_knobs(decoding: dict[str, Any]) -> dict[str, Any]:
             for name, value in decoding.items()}
 
 
-def json_response(body: Any) -> Response:
-    """A response body serialized by pydantic's own encoder (no dict and json.dumps in between)."""
-    return Response(content=body.model_dump_json(), media_type="application/json")
+def check_model(model: Optional[str], served: str) -> None:
+    if model is not None and model != served:
+        raise APIError(404, f"The model '{model}' does not exist; this server serves '{served}'", param="model",
+                       code="model_not_found")
 
 
 class DisconnectWatch:
@@ -98,6 +92,7 @@ class ServingBase:
     prompt_field = "prompt"  # the request field that holds the prompt
     logprobs_field = "logprobs"  # the request field that asks for top logprobs
     id_prefix = "cmpl"
+    chunk_type: Any = None  # the streamed chunk's class
 
     def __init__(self, loop: EngineLoop, settings: ServerSettings, metrics: Metrics) -> None:
         self.loop = loop
@@ -112,9 +107,17 @@ class ServingBase:
 
     # ------------------------------------------------------------------ what an endpoint says
 
+    def prompts(self, body: GenerateRequest) -> list[list[int]]:
+        """The token ids of each prompt of the request."""
+        raise NotImplementedError
+
     def logprobs_asked(self, body: GenerateRequest) -> Optional[int]:
         """Top alternatives per token the request asks for (None: no logprobs)."""
         raise NotImplementedError
+
+    async def prepare(self, body: GenerateRequest, prompts: list[list[int]], params: DecodeParams,
+                      choices: list[ChoiceOutput]) -> None:
+        """Work before the choices are submitted (completions: the echoed prompts)."""
 
     def response(self, response_id: str, choices: list[ChoiceOutput], usage: Usage) -> Any:
         """The whole (non-streamed) response object."""
@@ -129,15 +132,20 @@ class ServingBase:
         """The chunk object carrying `text` of `choice` (with its finish reason when `last`)."""
         raise NotImplementedError
 
-    def usage_chunk(self, response_id: str, created: int, usage: Usage) -> Any:
-        raise NotImplementedError
-
     # ------------------------------------------------------------------ requests -> engine
 
-    def check_model(self, model: Optional[str]) -> None:
-        if model is not None and model != self.settings.model_name:
-            raise APIError(404, f"The model '{model}' does not exist; this server serves "
-                           f"'{self.settings.model_name}'", param="model", code="model_not_found")
+    async def create(self, body: GenerateRequest, request: Request) -> Any:
+        check_model(body.model, self.settings.model_name)
+        prompts = self.prompts(body)
+        max_tokens = getattr(body, "max_completion_tokens", None)
+        max_tokens = body.max_tokens if max_tokens is None else max_tokens
+        params = self.params(body, max_tokens or None, max(map(len, prompts)))  # 0: nothing to decode
+        check_decode_steps(params, body, max_tokens, self.settings.max_decode_steps)
+        queue: asyncio.Queue = asyncio.Queue()
+        choices, submissions = self._choices(body, prompts, params, max_tokens, queue)
+        await self.prepare(body, prompts, params, choices)
+        self._submit(body, prompts, max_tokens, choices, submissions)
+        return await self.serve(body, request, choices, queue)
 
     def _profile_knobs(self, decoding: dict[str, Any]) -> Mapping[str, Any]:
         """The knobs of the profile the request names (`decoding.profile`, taken out of `decoding`),
@@ -162,18 +170,11 @@ class ServingBase:
             # max_tokens rounds up to whole blocks of the model's own block, as the official decoders
             # round the canvas (a block of max_tokens would change what the model decodes)
             knobs["block_length"] = self.loop.model_block_length
-        for name in ("temperature", "seed", "top_p", "top_k", "min_p"):
-            if getattr(body, name) is not None:
-                knobs[name] = getattr(body, name)
-        if body.ignore_eos:
-            knobs["ignore_eos"] = True
-        logprobs = self.logprobs_asked(body)
-        if logprobs is not None:
-            knobs["logprobs"] = logprobs
-        if max_tokens is not None:
-            knobs["gen_length"] = canvas_for_max_tokens(max_tokens, knobs)
-        else:
-            knobs["gen_length"] = canvas_within(knobs, self.max_model_len - longest_prompt)
+        fields = {name: getattr(body, name) for name in ("temperature", "seed", "top_p", "top_k", "min_p")}
+        fields.update(ignore_eos=body.ignore_eos or None, logprobs=self.logprobs_asked(body))
+        knobs.update({name: value for name, value in fields.items() if value is not None})
+        knobs["gen_length"] = (canvas_for_max_tokens(max_tokens, knobs) if max_tokens is not None
+                               else canvas_within(knobs, self.max_model_len - longest_prompt))
         try:
             if any(name in decoding for name in _OPENAI_KNOBS):
                 # an OpenAI field set above wins over the decoding object's value, which must still be
@@ -181,13 +182,8 @@ class ServingBase:
                 DecodeParams.from_dict({**knobs, **_integral_knobs(decoding)})
             return DecodeParams.from_dict(knobs)
         except DecodeParamError as err:
-            from_body = err.param in (body.decoding or {}) or err.param == "gen_length"
-            if err.param == "gen_length":
-                param = "max_tokens"
-            elif err.param == "logprobs" and "logprobs" not in (body.decoding or {}):
-                param = self.logprobs_field
-            else:
-                param = f"decoding.{err.param}" if from_body else err.param
+            renamed = {"gen_length": "max_tokens", "logprobs": self.logprobs_field}
+            param = f"decoding.{err.param}" if err.param in decoding else renamed.get(err.param, err.param)
             raise APIError(400, str(err), param=param, code=INVALID_DECODING) from None
         except TypeError as err:
             raise APIError(400, f"invalid decoding object: {err}", param="decoding", code=INVALID_DECODING) from None
@@ -202,47 +198,43 @@ class ServingBase:
             return "decoding.block_length"
         return "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
 
-    def _submit_all(self, body: GenerateRequest, prompts: list[list[int]], params: DecodeParams,
-                    max_tokens: Optional[int]) -> tuple[list[ChoiceOutput], asyncio.Queue]:
-        n, stops = body.n, body.stop_strings
-        end_ids = frozenset() if params.ignore_eos else self.loop.end_ids
-        tokenizer, logprobs = self.loop.tokenizer, params.logprobs is not None
+    def _choices(self, body: GenerateRequest, prompts: list[list[int]], params: DecodeParams,
+                 max_tokens: Optional[int], queue: asyncio.Queue) -> tuple[list[ChoiceOutput], list[Submission]]:
+        n = body.n
         if len(prompts) * n > self.settings.max_n:
             raise APIError(400, f"n x prompts = {len(prompts) * n} exceeds this server's limit of "
                            f"{self.settings.max_n} completions per request", param="n", code=TOO_MANY_CHOICES)
-        queue: asyncio.Queue = asyncio.Queue()
-        if max_tokens == 0:  # nothing to decode: every choice ends at once
-            for ids in prompts:
-                try:
-                    self.loop.check_prompt(ids)
-                except RequestError as err:
-                    raise engine_error(err, self.prompt_field) from None
-            choices = [ChoiceOutput(p_index * n + j, new_id("req"), ids, tokenizer, end_ids, stops, 0,
-                                    logprobs=logprobs) for p_index, ids in enumerate(prompts) for j in range(n)]
-            for choice in choices:
-                choice.finish_unstarted()
-            return choices, queue
+        end_ids = frozenset() if params.ignore_eos else self.loop.end_ids
         loop = asyncio.get_running_loop()
         choices, submissions = [], []
         for p_index, ids in enumerate(prompts):
             for j in range(n):
-                index = p_index * n + j
                 p = params
                 if params.temperature > 0 and params.seed is not None and j:
                     p = params.with_overrides(seed=params.seed + j)  # n samples, not n copies
                 request = GenerationRequest(tuple(ids), p, new_id("req"))
-                submissions.append(Submission(request, index, queue, loop, stream=body.stream))
-                choices.append(ChoiceOutput(index, request.request_id, ids, tokenizer, end_ids, stops, max_tokens,
-                                            logprobs=logprobs))
+                submissions.append(Submission(request, p_index * n + j, queue, loop, stream=body.stream))
+                choices.append(ChoiceOutput(p_index * n + j, request.request_id, ids, self.loop.tokenizer, end_ids,
+                                            body.stop_strings, max_tokens, logprobs=params.logprobs is not None))
+        return choices, submissions
+
+    def _submit(self, body: GenerateRequest, prompts: list[list[int]], max_tokens: Optional[int],
+                choices: list[ChoiceOutput], submissions: list[Submission]) -> None:
+        """Queue every choice in the engine, or none; with max_tokens 0 each ends at once."""
         try:
-            self.loop.submit(submissions)  # all the choices, or none
+            if max_tokens == 0:
+                for ids in prompts:
+                    self.loop.check_prompt(ids)
+                for choice in choices:
+                    choice.finish_unstarted()
+            else:
+                self.loop.submit(submissions)
         except (QueueFull, RequestError) as err:
             if isinstance(err, RequestError) and err.code == CONTEXT_LENGTH_EXCEEDED:
                 raise engine_error(err, self._context_param(body, max(map(len, prompts)), max_tokens)) from None
             raise engine_error(err, self.prompt_field,
                                {**_KNOB_FIELDS, "gen_length": "max_tokens", "logprobs": self.logprobs_field},
                                retry_after=self.loop.retry_after()) from None
-        return choices, queue
 
     # ------------------------------------------------------------------ engine -> response
 
@@ -257,9 +249,10 @@ class ServingBase:
         return len(encode_text(self.loop.tokenizer, text)) if self.loop.tokenizer is not None else 0
 
     @staticmethod
-    def usage(choices: list[ChoiceOutput]) -> Usage:
+    def usage(choices: list[ChoiceOutput], so_far: bool = False) -> Usage:
+        """Tokens of the finished choices, or (`so_far`) those generated until now."""
         prompt = sum(len(c.prompt_ids) for c in choices)
-        completion = sum(c.completion_count for c in choices)
+        completion = sum(c.generated_count if so_far else c.completion_count for c in choices)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
     @staticmethod
@@ -336,7 +329,8 @@ class ServingBase:
             pass
         if any(not c.finished for c in choices):
             raise ClientDisconnected  # nobody to answer; the rows were freed by _run
-        return json_response(self.response(response_id, choices, self.usage(choices)))
+        body = self.response(response_id, choices, self.usage(choices))
+        return Response(content=body.model_dump_json(), media_type="application/json")
 
     def _client_gone(self) -> None:
         self.metrics.labels(self.metrics.client_disconnects).inc()
@@ -344,17 +338,10 @@ class ServingBase:
 
     async def _stream(self, choices: list[ChoiceOutput], queue: asyncio.Queue, request: Request, response_id: str,
                       include_usage: bool, continuous_usage: bool) -> AsyncIterator[bytes]:
-        from server.protocol import now
-
         created = now()
-        prompt_tokens = sum(len(c.prompt_ids) for c in choices)
 
         def chunk(choice: ChoiceOutput, text: Optional[str], last: bool = False) -> bytes:
-            usage = None
-            if continuous_usage:  # vLLM's continuous_usage_stats: the tokens so far, in every chunk
-                completion = sum(c.generated_count for c in choices)
-                usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                              total_tokens=prompt_tokens + completion)
+            usage = self.usage(choices, so_far=True) if continuous_usage else None  # vLLM's continuous_usage_stats
             return sse.event(self.chunk(response_id, created, choice, text, last, usage))
 
         try:
@@ -369,7 +356,8 @@ class ServingBase:
                 self._client_gone()
                 return
             if include_usage:
-                yield sse.event(self.usage_chunk(response_id, created, self.usage(choices)))
+                yield sse.event(self.chunk_type(id=response_id, created=created, model=self.settings.model_name,
+                                                choices=[], usage=self.usage(choices)))
             yield sse.DONE
         except APIError as err:
             self.metrics.labels(self.metrics.request_errors, status=str(err.status)).inc()

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from fastapi import Request
-
 from engine.chat import chat_prompt_ids
 from server.engine_loop import EngineLoop
 from server.errors import APIError
@@ -15,7 +13,6 @@ from server.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
@@ -26,7 +23,6 @@ from server.protocol import (
     Usage,
     now,
 )
-from server.request_cost import check_decode_steps
 from server.serving_base import CHAT_TEMPLATE_ERROR, LOGPROBS_REQUIRED, ServingBase
 
 
@@ -61,15 +57,10 @@ class ChatServing(ServingBase):
     prompt_field = "messages"
     logprobs_field = "top_logprobs"
     id_prefix = "chatcmpl"
+    chunk_type = ChatCompletionChunk
 
-    async def create(self, body: ChatCompletionRequest, request: Request) -> Any:
-        self.check_model(body.model)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        prompt = chat_ids(self.loop, body.messages, add_generation_prompt=True)
-        params = self.params(body, max_tokens or None, len(prompt))  # 0: nothing to decode
-        check_decode_steps(params, body, max_tokens, self.settings.max_decode_steps)
-        choices, queue = self._submit_all(body, [prompt], params, max_tokens)
-        return await self.serve(body, request, choices, queue)
+    def prompts(self, body: Any) -> list[list[int]]:
+        return [chat_ids(self.loop, body.messages, add_generation_prompt=True)]
 
     def logprobs_asked(self, body: Any) -> Optional[int]:
         if body.logprobs:
@@ -99,7 +90,3 @@ class ChatServing(ServingBase):
                                        finish_reason=choice.finish_reason if last else None,
                                        decoding=self.summary(choice) if last else None,
                                        logprobs=chat_logprobs(choice, logged) if logged else None)])
-
-    def usage_chunk(self, response_id: str, created: int, usage: Usage) -> Any:
-        return ChatCompletionChunk(id=response_id, created=created, model=self.settings.model_name, choices=[],
-                                   usage=usage)

@@ -5,23 +5,13 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from fastapi import Request
-
 from engine import RequestError
 from engine.decoding import DecodeParams
 from engine.decoding.types import TokenLogprob
 from engine.loading.tokenizer import encode_text
 from server.errors import APIError, QueueFull, ShuttingDown, engine_error
 from server.output import ChoiceOutput, Echo, LoggedToken, logged_tokens
-from server.protocol import (
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    Usage,
-    now,
-)
-from server.request_cost import check_decode_steps
+from server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage, now
 from server.serving_base import ServingBase
 
 
@@ -49,23 +39,12 @@ class CompletionServing(ServingBase):
     prompt_field = "prompt"
     logprobs_field = "logprobs"
     id_prefix = "cmpl"
-
-    async def create(self, body: CompletionRequest, request: Request) -> Any:
-        self.check_model(body.model)
-        prompts = self._prompts(body)
-        params = self.params(body, body.max_tokens or None, max(map(len, prompts)))  # 0: nothing to decode
-        check_decode_steps(params, body, body.max_tokens, self.settings.max_decode_steps)
-        echoes = await self._echoes(prompts, params, body) if body.echo else None
-        choices, queue = self._submit_all(body, prompts, params, body.max_tokens)
-        if echoes is not None:
-            for choice in choices:
-                choice.echo = echoes[choice.index // body.n]
-        return await self.serve(body, request, choices, queue)
+    chunk_type = CompletionResponse
 
     def logprobs_asked(self, body: Any) -> Optional[int]:
         return body.logprobs
 
-    def _prompts(self, body: CompletionRequest) -> list[list[int]]:
+    def prompts(self, body: CompletionRequest) -> list[list[int]]:
         prompt = body.prompt
         if isinstance(prompt, str):
             texts: list[Any] = [prompt]
@@ -85,9 +64,12 @@ class CompletionServing(ServingBase):
                 prompts.append(list(item))
         return prompts
 
-    async def _echoes(self, prompts: list[list[int]], params: DecodeParams, body: CompletionRequest) -> list[Echo]:
-        """Each prompt's text and, with logprobs, its per-token likelihood estimates (engine.scoring,
-        run on the engine thread between steps)."""
+    async def prepare(self, body: CompletionRequest, prompts: list[list[int]], params: DecodeParams,
+                      choices: list[ChoiceOutput]) -> None:
+        """With `echo`: each prompt's text and, with logprobs, its per-token likelihood estimates
+        (engine.scoring, run on the engine thread between steps)."""
+        if not body.echo:
+            return
         tokenizer = self.loop.tokenizer
         echoes = []
         for ids in prompts:
@@ -102,7 +84,8 @@ class CompletionServing(ServingBase):
                                    retry_after=self.loop.retry_after()) from None
             values = [None if v is None else TokenLogprob(t, v) for t, v in zip(ids, scores, strict=True)]
             echoes.append(Echo(text, logged_tokens(tokenizer, ids, values)))
-        return echoes
+        for choice in choices:
+            choice.echo = echoes[choice.index // body.n]
 
     def response(self, response_id: str, choices: list[ChoiceOutput], usage: Usage) -> Any:
         return CompletionResponse(
@@ -129,10 +112,6 @@ class CompletionServing(ServingBase):
                                       finish_reason=choice.finish_reason if last else None,
                                       decoding=self.summary(choice) if last else None,
                                       logprobs=completion_logprobs(choice, logged, shift=shift) if logged else None)])
-
-    def usage_chunk(self, response_id: str, created: int, usage: Usage) -> Any:
-        return CompletionResponse(id=response_id, created=created, model=self.settings.model_name, choices=[],
-                                  usage=usage)
 
 
 def _echoed(choice: ChoiceOutput) -> tuple[Optional[list[LoggedToken]], int]:

@@ -3,7 +3,7 @@ from, and what a client needs to tokenize as the server does (lm-eval's remote t
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Union
 
 from engine.loading.tokenizer import encode_text
 from server.engine_loop import EngineLoop
@@ -16,6 +16,7 @@ from server.protocol import (
     TokenizeResponse,
     TokenizerInfo,
 )
+from server.serving_base import check_model
 from server.serving_chat import chat_ids
 
 
@@ -24,13 +25,8 @@ class TokenizationServing:
         self.loop = loop
         self.model_name = model_name
 
-    def check_model(self, model: Optional[str]) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'",
-                           param="model", code="model_not_found")
-
     def tokenize(self, body: Union[TokenizeCompletionRequest, TokenizeChatRequest]) -> TokenizeResponse:
-        self.check_model(body.model)
+        check_model(body.model, self.model_name)
         tokenizer = self.loop.tokenizer
         if isinstance(body, TokenizeChatRequest):
             ids = chat_ids(self.loop, body.messages, body.add_generation_prompt)
@@ -51,7 +47,7 @@ class TokenizationServing:
                              model_max_length=self.loop.max_model_len)
 
     def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
-        self.check_model(body.model)
+        check_model(body.model, self.model_name)
         if self.loop.tokenizer is None:
             raise APIError(400, "this model has no tokenizer", param="tokens")
         vocab = self.loop.vocab_size

@@ -55,16 +55,12 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.engine, EngineConfig):
             raise ValueError(f"engine must be an EngineConfig, got {self.engine!r}")
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= _MAX_PORT:
+        if not _is_int(self.port) or not 0 <= self.port <= _MAX_PORT:
             raise ValueError(f"port must be an integer from 0 to {_MAX_PORT}, got {self.port!r}")
-        for name in ("port", "max_queue", "max_n", "max_body_bytes"):
+        for name in ("max_queue", "max_n", "max_body_bytes", "max_decode_steps"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "port" else 1):
+            if (value is not None or name != "max_decode_steps") and (not _is_int(value) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_decode_steps is not None and (isinstance(self.max_decode_steps, bool)
-                                                  or not isinstance(self.max_decode_steps, int)
-                                                  or self.max_decode_steps < 1):
-            raise ValueError(f"max_decode_steps must be a positive integer, got {self.max_decode_steps!r}")
         for name in ("request_timeout", "shutdown_timeout", "stall_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
@@ -114,6 +110,10 @@ class ServerSettings:
         if "{{" in value or "{%" in value:
             return value
         raise ValueError(f"chat_template: no such file, and not a Jinja template: {value!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _server_fields() -> tuple[Field, ...]:

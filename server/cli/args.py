@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 
-def fail(message: str) -> int:
+def fail(message: object) -> int:
     """A one-line error on stderr and the exit code of a usage or input error."""
     print(f"error: {message}", file=sys.stderr)
     return 2
@@ -63,10 +63,6 @@ def json_list(raw: str) -> list[str]:
     return value
 
 
-def _shown(value: Any) -> str:
-    return str(value).replace("%", "%%")  # help strings are %-formatted
-
-
 def engine_flag_options() -> dict[str, dict[str, Any]]:
     """The EngineConfig flags every command that loads a model shares (but for their defaults)."""
     from engine.config import QUANTIZATION_MODES
@@ -105,7 +101,7 @@ def add_setting(parser: Any, name: str, *aliases: str, unset: str = "", **option
     from server.settings import setting_default
 
     default = setting_default(name)
-    shown = unset if unset and default in (None, {}, []) else _shown(default)
+    shown = unset if unset and default in (None, {}, []) else str(default).replace("%", "%%")  # help is %-formatted
     options["help"] = f"{options.get('help', '')} (default: {shown})".lstrip()
     parser.add_argument("--" + name.replace("_", "-"), *aliases, dest=name, default=None, **options)
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
+
+from server.cli.args import fail
 
 
 def add_parser(sub: Any) -> None:
@@ -46,15 +47,13 @@ def run(args: argparse.Namespace) -> int:
         workload = (builtin_workload(args.num_requests, args.seed) if args.dataset == "builtin"
                     else file_workload(Path(args.dataset)))
     except (ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return fail(err)
     try:
         report = asyncio.run(run_load(args.base_url, workload, args.num_requests, concurrency=args.concurrency,
                                       request_rate=args.request_rate, decoding=decoding, model=args.model,
                                       max_tokens=args.max_tokens, api_key=args.api_key, seed=args.seed))
     except (OSError, aiohttp.ClientError) as err:  # the server is unreachable, or /v1/models refused us
-        print(f"error: {args.base_url}: {err}", file=sys.stderr)
-        return 2
+        return fail(f"{args.base_url}: {err}")
     print(format_report(report))
     if args.json:
         Path(args.json).write_text(json.dumps(asdict(report), indent=1) + "\n")

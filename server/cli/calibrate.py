@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from server.cli.args import MIX_HELP, add_engine_flags, float_list, task_mix
+from server.cli.args import MIX_HELP, add_engine_flags, fail, float_list, task_mix
 
 
 def add_parser(sub: Any) -> None:
@@ -64,8 +64,7 @@ def run(args: argparse.Namespace) -> int:
                                      max_batch=args.batch_size, quantization=args.quantization,
                                      quantize_head=args.quantize_head))
     except (CalibrationDataError, CheckpointError, DeviceError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return fail(err)
     from tqdm import tqdm
 
     from calibration.run import calibrate
@@ -90,8 +89,7 @@ def run(args: argparse.Namespace) -> int:
             on_item=lambda: bar.update())
     except ValueError as err:
         bar.close()
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return fail(err)
     bar.close()
     ref, best = result.reference.measurement, result.best.measurement
     print(f"fixed decoder: {100 * ref.accuracy:.1f}% at {ref.nfe:.1f} forward passes an item")

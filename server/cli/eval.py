@@ -7,7 +7,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from server.cli.args import MIX_HELP, add_engine_flags, task_mix
+from server.cli.args import MIX_HELP, add_engine_flags, fail, task_mix
 
 if TYPE_CHECKING:  # torch-free at import: `--help` answers at once
     from tinymodels.evaluate import EvalConfig
@@ -52,8 +52,7 @@ def run(args: argparse.Namespace) -> int:
                                      max_batch=args.batch_size, quantization=args.quantization,
                                      quantize_head=args.quantize_head))
     except (CheckpointError, DeviceError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return fail(err)
     from engine.decoding import DecodeParams
 
     block_length = args.block_length or engine.default_params(DecodeParams(gen_length=args.gen_length)).block_length
@@ -62,8 +61,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             configs = _chosen_configs(args.configs, configs, args.gen_length)
         except ValueError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
+            return fail(err)
     from tqdm import tqdm
 
     mix = args.mix or model_mix(args.model)

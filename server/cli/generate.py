@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
-from server.cli.args import add_decode_flags, add_engine_flags, decode_overrides
+from server.cli.args import add_decode_flags, add_engine_flags, decode_overrides, fail
 
 
 def add_parser(sub: Any) -> None:
@@ -47,8 +46,7 @@ def run(args: argparse.Namespace) -> int:
             prompts.append([int(t) for t in ids.split(",") if t.strip()])
         results = generate(model, prompts, params, max_batch=args.max_batch, tokenizer=tokenizer)
     except (CheckpointError, DeviceError, DecodeParamError, RequestError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return fail(err)
     for result in results:
         record = {"request_id": result.request_id, "prompt_ids": list(result.prompt_ids),
                   "generated_ids": result.generated_ids, "text": result.text,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
+
+from server.cli.args import fail
 
 
 def add_parser(sub: Any) -> None:
@@ -22,7 +23,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = describe_checkpoint(args.model_dir)
     except CheckpointError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return fail(err)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0

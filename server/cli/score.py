@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
-from server.cli.args import add_engine_flags
+from server.cli.args import add_engine_flags, fail
 
 
 def add_parser(sub: Any) -> None:
@@ -43,8 +42,7 @@ def run(args: argparse.Namespace) -> int:
             rows.append({"continuation": text, "logprob": sum(v for v in values if v is not None),
                          "tokens": len(values), "token_logprobs": values})
     except (CheckpointError, DeviceError, RequestError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return fail(err)
     best = max(range(len(rows)), key=lambda i: rows[i]["logprob"])
     for i, row in enumerate(rows):
         if args.json:

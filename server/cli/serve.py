@@ -6,28 +6,20 @@ import argparse
 import sys
 from typing import Any, Optional
 
-from server.cli.args import add_setting, engine_flag_options, exit_now, json_list
-
-
-def _cpus() -> int:
-    from engine.cpus import default_threads
-
-    return default_threads()
+from server.cli.args import add_setting, engine_flag_options, exit_now, fail, json_list
 
 
 def add_parser(sub: Any) -> None:
+    from engine.cpus import default_threads
     from server.settings import LOG_LEVELS
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the bundled llada-tiny on CPU)",
                            description="Every option can also be set as CAI_DLLM_<OPTION> in the environment.")
     engine = serve.add_argument_group("engine")
     add_setting(engine, "model", help="local checkpoint directory")
-    options = engine_flag_options()
-    add_setting(engine, "device", **options["device"])
-    add_setting(engine, "dtype", **options["dtype"])
-    add_setting(engine, "max_batch", "--max-num-seqs", **options["max_batch"])
-    add_setting(engine, "quantization", "-q", **options["quantization"])
-    add_setting(engine, "quantize_head", **options["quantize_head"])
+    aliases = {"max_batch": ("--max-num-seqs",), "quantization": ("-q",)}
+    for name, options in engine_flag_options().items():
+        add_setting(engine, name, *aliases.get(name, ()), **options)
     add_setting(engine, "max_model_len", type=int, help="prompt + canvas limit", unset="the model's context")
     add_setting(engine, "use_flash_attn", action=argparse.BooleanOptionalAction,
                  help="FlashAttention kernels", unset="when installed and usable")
@@ -41,7 +33,7 @@ def add_parser(sub: Any) -> None:
                      "between decode steps, so a step waits on one at most")
     add_setting(engine, "threads", type=int, help="torch CPU threads (intra-op pool); see docs/operations.md",
                 unset=f"the CPUs this process may use, by affinity, cgroup quota and OMP_NUM_THREADS: "
-                      f"{_cpus()} here")
+                      f"{default_threads()} here")
     add_setting(engine, "cuda_graphs", action=argparse.BooleanOptionalAction,
                  help="run the dual-cache step as CUDA graphs, one per batch bucket (CUDA only)")
     sv = serve.add_argument_group("server")
@@ -90,8 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
         profile_table(load_profile(path) for path in settings.decoding_profiles)
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return fail(err)
     taken = _port_refusal(settings.host, settings.port)
     if taken is not None:  # before loading anything: a one-line error, not a model load and a traceback
         print(f"error: cannot listen on {settings.host}:{settings.port}: {taken}", file=sys.stderr)

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
-from server.cli.args import task_mix
+from server.cli.args import fail, task_mix
 
 
 def add_parser(sub: Any) -> None:
@@ -66,8 +65,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             log = snapshot(Path(args.out), Path(args.snapshot))
         except FileNotFoundError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
+            return fail(err)
         print(f"snapshot of step {log['step']} written to {args.snapshot}")
         return 0
     # flags left out keep TrainConfig's defaults, the built-in recipe (one place for them)

@@ -15,7 +15,6 @@ import os
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Optional
 
 import ray
 
@@ -82,7 +81,9 @@ class ReplicaMetricsExporter:
 
     def __init__(self, render: Callable[[], bytes], replica: str, labels: dict[str, str]) -> None:
         host = os.environ.get(HOST_ENV) or ray.util.get_node_ip_address()
-        port = _port_from_env()
+        port = int(os.environ.get(PORT_ENV) or 0)
+        if not 0 <= port <= 65535:
+            raise ValueError(f"{PORT_ENV} must be a port number (0-65535), got {port}")
         self._server = ThreadingHTTPServer((host, port), _metrics_handler(render))
         self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, name="replica-metrics", daemon=True).start()
@@ -120,13 +121,3 @@ class ReplicaMetricsExporter:
             pass
         self._server.shutdown()
         self._server.server_close()
-
-
-def _port_from_env() -> int:
-    raw: Optional[str] = os.environ.get(PORT_ENV)
-    if not raw:
-        return 0
-    port = int(raw)
-    if not 0 <= port <= 65535:
-        raise ValueError(f"{PORT_ENV} must be a port number (0-65535), got {raw}")
-    return port

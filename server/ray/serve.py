@@ -1,24 +1,12 @@
 """Scale-out on Ray Serve: the same FastAPI app, one replica per GPU (or per CPU slot), behind Ray's
-HTTP proxy, autoscaled on ongoing requests.
+HTTP proxy, autoscaled on ongoing requests (`serve run deploy/ray/serve-cpu.yaml`, or `serve deploy
+deploy/ray/serve-gpu.yaml` on a cluster). Each replica builds its app from `CAI_DLLM_*` variables set in
+the Serve config's `runtime_env`; replicas, `num_gpus` and autoscaling are deployment options there.
 
-    serve run deploy/ray/serve-cpu.yaml        # one machine, CPU replicas
-    serve deploy deploy/ray/serve-gpu.yaml     # a Ray cluster (or KubeRay's RayService)
-
-Each replica builds its app from `CAI_DLLM_*` variables, set per application in the Serve config's
-`runtime_env`; the replica count, `num_gpus` and autoscaling are deployment options there too, so
-nothing in this module changes between a laptop and a cluster. Ray is an optional dependency: only
-Ray imports this module.
-
-A replica loads its model (and runs a warm-up request) in its constructor: Serve routes traffic to a
-replica only once the constructor has returned, so no request meets a replica that is still loading,
-and a model that cannot load fails the deployment with the reason. `check_health` then reports what
-`/health` reports (the engine thread died, or stalled with work pending), and Serve replaces the
-replica.
-
-Metrics: `/metrics` through the proxy reaches one replica at a time, so each replica also serves its
-own registry on its own port (`server/ray/metrics.py`) and `GET /metrics/targets` lists every live
-replica's address for Prometheus's HTTP service discovery (`deploy/ray/prometheus.yml`); the
-dashboard's queries sum over them.
+A replica loads its model in its constructor, so Serve routes no request to a replica still loading,
+and `check_health` reports what `/health` reports. Each replica also serves its own metrics
+(`server/ray/metrics.py`), listed at `GET /metrics/targets` for Prometheus's HTTP service discovery.
+Ray is an optional dependency: only Ray imports this module.
 """
 
 from __future__ import annotations
