@@ -123,7 +123,7 @@ seconds = time.perf_counter() - t
 after, peak = status("VmRSS:"), status("VmHWM:")
 with torch.device("meta"):
     meta = type(model)(model.config, model.special)
-expected = quantized_model_bytes(meta, quantization, torch.bfloat16, head)
+expected = quantized_model_bytes(meta, quantization, torch.bfloat16, head, device_type="cpu")
 forward, finite = None, True
 if mode != "naive":
     t = time.perf_counter()

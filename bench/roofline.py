@@ -49,7 +49,8 @@ class ModelDims:
         body_bytes = None
         if quantization != "none":
             outside = sum(p.numel() for name, p in params.items() if name.startswith(("embed.", "lm_head.")))
-            body_bytes = quantized_model_bytes(model, quantization, model.dtype) - outside * model.dtype.itemsize
+            body_bytes = (quantized_model_bytes(model, quantization, model.dtype, device_type=model.device.type)
+                          - outside * model.dtype.itemsize)
         return cls(body_params=body, head_params=model.lm_head.weight.numel(), hidden_size=config.hidden_size,
                    q_size=config.q_size, kv_size=config.kv_size, num_layers=config.num_layers,
                    shift=1 if model.logits_shifted else 0, elem_bytes=model.dtype.itemsize, layer_params=layer,

@@ -108,6 +108,12 @@ def _bnb_nf4_linear(linear: nn.Linear) -> nn.Module:
                                          compress_statistics=True, quant_type="nf4", bnb_quantized=True)
     if linear.bias is not None:
         quantized.bias = nn.Parameter(linear.bias.data, requires_grad=False)
+    if weight.device.type == "cpu":
+        # bitsandbytes repacks an NF4 weight for its CPU kernel at the layer's first eval-mode forward
+        # (where the CPU has AVX512-BF16): done here, the repack's temporaries are freed while loading,
+        # where the loader hands the heap back, instead of staying resident after the first request
+        with torch.no_grad():
+            quantized.eval().forward(torch.zeros(1, linear.in_features, dtype=weight.dtype))
     return quantized
 
 
@@ -178,22 +184,37 @@ def check_quantization(mode: str, device: torch.device, dtype: torch.dtype) -> N
                           f"{type(err).__name__}: {err}") from None
 
 
-def linear_weight_bytes(out_features: int, in_features: int, mode: str, dtype: torch.dtype) -> int:
-    """The bytes one linear layer's weight takes in `mode` (scales included; a bias is extra)."""
+def nf4_repacked_on(device_type: str) -> bool:
+    """Whether bitsandbytes runs NF4 on this device through its packed CPU kernel (CPUs with
+    AVX512-BF16), which keeps one bfloat16 scale a block instead of the compressed 8-bit ones."""
+    if device_type != "cpu" or importlib.util.find_spec("bitsandbytes") is None:
+        return False
+    from bitsandbytes.functional import has_avx512bf16
+
+    return bool(has_avx512bf16())
+
+
+def linear_weight_bytes(out_features: int, in_features: int, mode: str, dtype: torch.dtype,
+                        device_type: str = "cuda") -> int:
+    """The bytes one linear layer's weight takes in `mode` on `device_type` (scales included; a
+    bias is extra)."""
     numel = out_features * in_features
     if mode == "none" or (mode == "int4" and not nf4_fits(in_features)):
         return numel * dtype.itemsize
     if mode in ("int8", "fp8"):
         return numel + out_features * (4 + (1 if mode == "int8" else 0))  # float32 scale (+ int8 zero point)
     # NF4: half a byte a weight; bitsandbytes stores each block's scale as one byte plus a float32
-    # for every 256 of them (compress_statistics)
+    # for every 256 of them (compress_statistics), or as one bfloat16 after its CPU repack
     blocks = -(-numel // NF4_BLOCK)
+    if nf4_repacked_on(device_type):
+        return numel // 2 + 2 * blocks
     return numel // 2 + blocks + 4 * -(-blocks // NF4_SCALE_BLOCK)
 
 
-def quantized_model_bytes(model: nn.Module, mode: str, dtype: torch.dtype, quantize_head: bool = False) -> int:
-    """Bytes of every parameter of `model` (which may live on the meta device) once loaded in `mode`:
-    the decoder layers' quantizable linear weights quantized, the rest in `dtype`."""
+def quantized_model_bytes(model: nn.Module, mode: str, dtype: torch.dtype, quantize_head: bool = False,
+                          device_type: str = "cuda") -> int:
+    """Bytes of every parameter of `model` (which may live on the meta device) once loaded in `mode`
+    on `device_type`: the decoder layers' quantizable linear weights quantized, the rest in `dtype`."""
     layers = model.layers
     head = getattr(model, "lm_head", None)
     quantized = {id(m.weight): m for parent in _quantizable_modules(layers) for m in parent.children()
@@ -206,5 +227,5 @@ def quantized_model_bytes(model: nn.Module, mode: str, dtype: torch.dtype, quant
         if linear is None:
             total += param.numel() * dtype.itemsize
         else:
-            total += linear_weight_bytes(linear.out_features, linear.in_features, mode, dtype)
+            total += linear_weight_bytes(linear.out_features, linear.in_features, mode, dtype, device_type)
     return total

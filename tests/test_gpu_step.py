@@ -162,8 +162,9 @@ def test_quantization_switch_runs_each_mode_and_lowers_the_memory_floor(capsys, 
     for row in rows:
         cells = dict(zip(header, row, strict=True))
         floors.setdefault(cells["step"], {})[cells["quant"]] = float(cells["mem_floor_ms"])
-    for by_mode in floors.values():
-        assert by_mode["int4"] < by_mode["int8"] < by_mode["none"]
+    for by_mode in floors.values():  # (the tiny fixture's layers narrower than an NF4 block stay in
+        # float in int4, so int4 against int8 depends on the shapes)
+        assert by_mode["int4"] < by_mode["none"] and by_mode["int8"] < by_mode["none"]
 
 
 # ------------------------------------------------------------------------------ block-diffusion models

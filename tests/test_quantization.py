@@ -40,9 +40,9 @@ MOE_LOGITS_TOLERANCE = {"int8": 0.1, "int4": 0.3}
 
 def _stored_bytes(linear: nn.Module) -> int:
     weight = linear.weight
-    if hasattr(weight, "quant_state"):  # bitsandbytes: packed data, block scales and their scales
+    if hasattr(weight, "quant_state"):  # bitsandbytes: packed data, block scales (and their scales)
         state = weight.quant_state
-        return weight.data.nbytes + state.absmax.nbytes + state.state2.absmax.nbytes
+        return weight.data.nbytes + state.absmax.nbytes + (state.state2.absmax.nbytes if state.nested else 0)
     inner, _ = weight.__tensor_flatten__()  # torchao: the int8 data, scales and zero points
     return sum(getattr(weight, name).nbytes for name in inner)
 
@@ -64,7 +64,7 @@ def test_a_quantized_linear_tracks_its_float_reference(mode, dtype):
     assert got.dtype == want.dtype and got.shape == want.shape
     error = ((got - want).norm() / want.norm()).item()
     assert 0 < error < LAYER_TOLERANCE[mode]
-    assert _stored_bytes(holder[0]) == linear_weight_bytes(384, 256, mode, dtype)
+    assert _stored_bytes(holder[0]) == linear_weight_bytes(384, 256, mode, dtype, "cpu")
     assert _stored_bytes(holder[0]) < reference.weight.nbytes / (2 if dtype == torch.float32 else 1)
 
 
@@ -101,7 +101,7 @@ def test_the_memory_estimate_is_what_the_loaded_model_stores(mode):
             stored += sum(p.nbytes for p in params.values())
     with torch.device("meta"):
         meta = type(model)(model.config, model.special)
-    assert stored == quantized_model_bytes(meta, mode, torch.float32)
+    assert stored == quantized_model_bytes(meta, mode, torch.float32, device_type="cpu")
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -174,7 +174,7 @@ def test_serve_refuses_fp8_on_cpu_at_start_up():
     assert "--quantization fp8 is not supported on device cpu" in done.stdout + done.stderr
 
 
-def test_nf4_in_row_pieces_is_bitsandbytes_one_call_result(monkeypatch):
+def test_nf4_in_row_pieces_is_bitsandbytes_one_call_result():
     from engine import quantization
 
     gen = torch.Generator().manual_seed(3)
@@ -183,12 +183,11 @@ def test_nf4_in_row_pieces_is_bitsandbytes_one_call_result(monkeypatch):
         linear.weight.copy_(torch.randn(96, 128, generator=gen) * 0.02)
     whole = bnb.nn.Params4bit(linear.weight.data.clone(), requires_grad=False, quant_type="nf4",
                               blocksize=quantization.NF4_BLOCK).to("cpu")
-    monkeypatch.setattr(quantization, "NF4_VALUES_PER_CALL", 128 * 7)  # 14 pieces, the last one short
-    pieces = quantization.quantize_linear(linear, "int4").weight
-    assert torch.equal(pieces.data, whole.data)
+    data, state = quantization._nf4_state(linear.weight.data, 7)  # 14 pieces, the last one short
+    assert torch.equal(data, whole.data)
     for name in ("absmax", "offset"):
-        assert torch.equal(getattr(pieces.quant_state, name), getattr(whole.quant_state, name))
-    assert torch.equal(pieces.quant_state.state2.absmax, whole.quant_state.state2.absmax)
+        assert torch.equal(getattr(state, name), getattr(whole.quant_state, name))
+    assert torch.equal(state.state2.absmax, whole.quant_state.state2.absmax)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -204,14 +203,13 @@ def test_block_models_quantize_their_dense_layers_and_track_float(request, famil
     assert all(".experts." in name or (mode == "int4" and not nf4_fits(model.layers.get_submodule(name).in_features))
                for name in float_linears), float_linears
     assert (family == "llada2") == any(".experts." in name for name in float_linears)
-    # bytes before a forward: bitsandbytes' CPU kernel repacks an NF4 weight the first time it runs
     stored = sum(_stored_bytes(m) if isinstance(m, nn.Linear) and type(m.weight) is not nn.Parameter
                  else sum(p.nbytes for p in m.parameters(recurse=False)) for m in model.modules())
     stored += sum(p.nbytes for m in model.modules() if isinstance(m, nn.Linear) and type(m.weight) is not nn.Parameter
                   for n, p in m.named_parameters(recurse=False) if n != "weight")
     with torch.device("meta"):
         meta = type(model)(model.config, model.special, model.hf_config)
-    assert stored == quantized_model_bytes(meta, mode, torch.float32)
+    assert stored == quantized_model_bytes(meta, mode, torch.float32, device_type="cpu")
     block = reference.config.block_size or DEFAULT_BLOCK_LENGTH  # LLaDA2's config names no block
     ids = torch.arange(3, 3 + 2 * block)[None] % reference.config.vocab_size
     with torch.no_grad():
@@ -227,7 +225,7 @@ def test_int4_keeps_a_layer_whose_rows_nf4_blocks_straddle_in_float():
     quantize_linears(holder, "int4")
     assert type(holder[0]) is nn.Linear and type(holder[0].weight) is nn.Parameter
     assert type(holder[1]) is not nn.Linear
-    assert linear_weight_bytes(64, 96, "int4", torch.float32) == 64 * 96 * 4
+    assert linear_weight_bytes(64, 96, "int4", torch.float32, "cpu") == 64 * 96 * 4
     with torch.no_grad():
         assert torch.isfinite(holder[1].forward(holder[0].forward(torch.ones(2, 96)).repeat(1, 2))).all()
 
