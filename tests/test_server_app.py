@@ -64,7 +64,7 @@ def test_load_failure_is_reported(fixtures, tmp_path):
     app = create_app(config, meter=EnergyMeter())
     with TestClient(app) as client:
         deadline = time.monotonic() + 30
-        while "load" not in client.get("/health").text:
+        while "load_failed" not in client.get("/health").text:  # ("loading the model" until then)
             assert time.monotonic() < deadline
             time.sleep(0.05)
         health = client.get("/health").json()
