@@ -104,16 +104,12 @@ def test_the_memory_estimate_is_what_the_loaded_model_stores(mode):
     assert stored == quantized_model_bytes(meta, mode, torch.float32, device_type="cpu")
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_every_decoding_path_runs_on_a_quantized_built_in_model(mode):
-    """Each policy family and each KV-cache mode (a policy per cache), batched rows, logprobs and
-    likelihood scoring; int8 answers the problems the float model answers."""
-    engine = Engine(EngineConfig(model=str(MODEL), quantization=mode, max_batch=2))
-    assert engine.config.quantization == mode
+def _decode_held_out(engine: Engine, base, policy_caches, check_answers: bool) -> list[list[int]]:
+    """Two held-out problems, batched, through each (policy, cache): tokens, NFE and logprobs that
+    agree, and (`check_answers`) the right answers. Returns the prompts."""
     problems = held_out_problems(2, seed=1)
     prompts = [prompt_ids(engine, p, "chat") for p in problems]
-    base = engine.default_params().with_overrides(gen_length=64, block_length=32, steps=64, logprobs=2)
-    for policy, cache in (("fixed", "none"), ("threshold", "prefix"), ("cai", "dual")):
+    for policy, cache in policy_caches:
         # ids unique across the calls: generate() names its rows offline-0.. each call, and a second
         # call reusing them after a cached one stalls on main (not a quantization matter)
         params = base.with_overrides(policy=policy, cache=cache)
@@ -121,8 +117,20 @@ def test_every_decoding_path_runs_on_a_quantized_built_in_model(mode):
         for problem, result in zip(problems, results, strict=True):
             assert result.generated_ids and result.stats.nfe > 0
             assert [lp.token_id for lp in result.logprobs] == result.generated_ids
-            if mode == "int8":
+            if check_answers:
                 assert is_correct(problem.prompt, result.text), (policy, cache, result.text)
+    return prompts
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_every_decoding_path_runs_on_a_quantized_built_in_model(mode):
+    """Each policy family and each KV-cache mode (a policy per cache), batched rows, logprobs and
+    likelihood scoring; int8 answers the problems the float model answers."""
+    engine = Engine(EngineConfig(model=str(MODEL), quantization=mode, max_batch=2))
+    assert engine.config.quantization == mode
+    base = engine.default_params().with_overrides(gen_length=64, block_length=32, steps=64, logprobs=2)
+    prompts = _decode_held_out(engine, base, (("fixed", "none"), ("threshold", "prefix"), ("cai", "dual")),
+                               check_answers=mode == "int8")
     values = engine.score(prompts[0], samples=2, seed=0)
     assert len(values) == len(prompts[0]) and all(v is None or math.isfinite(v) for v in values)
 
@@ -238,14 +246,6 @@ def test_block_policies_run_on_the_quantized_built_in_block_model(mode):
     if not (model / "model.safetensors").is_file():
         pytest.skip("the built-in block model is not committed")
     engine = Engine(EngineConfig(model=str(model), quantization=mode, max_batch=2))
-    problems = held_out_problems(2, seed=1)
-    prompts = [prompt_ids(engine, p, "chat") for p in problems]
     base = engine.default_params().with_overrides(gen_length=64, steps=64, logprobs=1)
-    for policy, cache in (("block-static", "exact"), ("block-dynamic", "none"), ("cai", "exact")):
-        params = base.with_overrides(policy=policy, cache=cache)
-        results = engine.generate([GenerationRequest(tuple(p), params, f"{policy}-{i}") for i, p in enumerate(prompts)])
-        for problem, result in zip(problems, results, strict=True):
-            assert result.generated_ids and result.stats.nfe > 0
-            assert [lp.token_id for lp in result.logprobs] == result.generated_ids
-            if mode == "int8":
-                assert is_correct(problem.prompt, result.text), (policy, cache, result.text)
+    _decode_held_out(engine, base, (("block-static", "exact"), ("block-dynamic", "none"), ("cai", "exact")),
+                     check_answers=mode == "int8")
