@@ -229,7 +229,8 @@ def run_offline(engine: Engine, prompts: list[list[int]], params: DecodeParams) 
         seconds = time.perf_counter() - start
     finally:
         del engine.step
-    tokens = sum(len(r.response_ids) for r in results)
+    # counted as the server's usage.completion_tokens (vLLM's): the end token the model generated too
+    tokens = sum(len(r.response_ids) + (r.finish_reason == "stop") for r in results)
     return results, Run(seconds, tokens, len(step_rows), sum(step_rows) / len(step_rows))
 
 
