@@ -18,6 +18,7 @@ time as its weights arrive (`engine.loading.weights`), so at most one layer is e
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 from collections.abc import Callable
@@ -108,10 +109,10 @@ def _bnb_nf4_linear(linear: nn.Linear) -> nn.Module:
                                          compress_statistics=True, quant_type="nf4", bnb_quantized=True)
     if linear.bias is not None:
         quantized.bias = nn.Parameter(linear.bias.data, requires_grad=False)
-    if weight.device.type == "cpu":
-        # bitsandbytes repacks an NF4 weight for its CPU kernel at the layer's first eval-mode forward
-        # (where the CPU has AVX512-BF16): done here, the repack's temporaries are freed while loading,
-        # where the loader hands the heap back, instead of staying resident after the first request
+    if nf4_repacked_on(weight.device.type):
+        # bitsandbytes repacks an NF4 weight for its CPU kernel at the layer's first eval-mode forward:
+        # done here, the repack's temporaries are freed while loading, where the loader hands the heap
+        # back, instead of staying resident after the first request
         with torch.no_grad():
             quantized.eval().forward(torch.zeros(1, linear.in_features, dtype=weight.dtype))
     return quantized
@@ -184,11 +185,13 @@ def check_quantization(mode: str, device: torch.device, dtype: torch.dtype) -> N
                           f"{type(err).__name__}: {err}") from None
 
 
+@functools.cache
 def nf4_repacked_on(device_type: str) -> bool:
     """Whether bitsandbytes runs NF4 on this device through its packed CPU kernel (CPUs with
     AVX512-BF16), which keeps one bfloat16 scale a block instead of the compressed 8-bit ones."""
     if device_type != "cpu" or importlib.util.find_spec("bitsandbytes") is None:
         return False
+    _quiet_library_logs()
     from bitsandbytes.functional import has_avx512bf16
 
     return bool(has_avx512bf16())
