@@ -3,23 +3,21 @@ checkpoint, no CPU copy), for the step benchmarks (bench/gpu_step.py, bench/bloc
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import torch
 
 from engine.models.attention import select_attention
-from engine.models.block_transformer import BlockDiffusionTransformer
 from engine.models.layers import RMSNorm, RotaryEmbedding
 from engine.models.registry import model_class_for
 from engine.models.transformer import DiffusionTransformer
 from engine.special_tokens import SpecialTokens
 
 INIT_STD = 0.02
-AnyModel = Union[DiffusionTransformer, BlockDiffusionTransformer]
 
 
 def build_random(hf_config: dict[str, Any], special: SpecialTokens, device: torch.device, dtype: torch.dtype,
-                 seed: int = 0) -> AnyModel:
+                 seed: int = 0) -> DiffusionTransformer:
     """The model of `hf_config` with N(0, 0.02) weights (norm scales 1), allocated once on `device`
     (no init pass by the constructors: an 8B model takes seconds)."""
     cls = model_class_for(hf_config)
@@ -42,18 +40,16 @@ def build_random(hf_config: dict[str, Any], special: SpecialTokens, device: torc
                 param.normal_(0.0, INIT_STD, generator=generator)
     model.requires_grad_(False).eval()
     model.set_attention_kernel(*select_attention(device, dtype, use_flash=False))
-    if isinstance(model, BlockDiffusionTransformer):  # what the loader sets on a loaded model
-        model.quantization, model.quantized_head = "none", False
     return model
 
 
-def _reinit_buffers(model: AnyModel, device: torch.device) -> None:
+def _reinit_buffers(model: DiffusionTransformer, device: torch.device) -> None:
     """to_empty leaves buffers uninitialised. The rotary module is rebuilt on the device (today it
     holds no buffer, but a cos/sin cache would be computed by its constructor); any other buffer is
     refused rather than timed with garbage in it."""
     rotary = model.rotary
     with torch.device(device):
-        model.rotary = RotaryEmbedding(rotary.head_dim, rotary.theta)
+        model.rotary = RotaryEmbedding(rotary.dim, rotary.theta)
     others = [name for name, _ in model.named_buffers() if not name.startswith("rotary.")]
     if others:
         raise RuntimeError(f"buffers this benchmark does not know how to initialise: {others}")

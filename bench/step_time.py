@@ -57,8 +57,8 @@ class FullForwardCounter:
     def __init__(self, runner: ModelRunner) -> None:
         self.count = 0
         self._runner = runner
-        self._full = runner._prepare_full
-        runner._prepare_full = self
+        self._full = runner._full
+        runner._full = self
 
     def __call__(self, *args, **kwargs):
         self.count += 1

@@ -88,5 +88,9 @@ class Batch:
                    edit_fill=any(r.at_step_limit for r in requests),
                    slot_range=slice(first, first + len(requests)) if consecutive else None)
 
+    def rows(self, index: list[int]) -> Batch:
+        """The batch of these rows alone, in this order (one forward's rows)."""
+        return Batch.build([self.requests[b] for b in index], self.slots.device)
+
     def __len__(self) -> int:
         return len(self.requests)

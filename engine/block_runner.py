@@ -19,13 +19,16 @@ Rows that share a forward share its block size, fed length (and mask): the runne
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.models.block_transformer import BlockCache, BlockDiffusionTransformer
-from engine.models.kv_cache import KVStore
 from engine.request import FORWARD_STORE, FORWARD_WINDOW, Request
+
+if TYPE_CHECKING:
+    from engine.batch import Batch
+    from engine.slots import Slots
 
 
 def fed_length(request: Request) -> int:
@@ -51,37 +54,19 @@ def _block_logits_at(block_length: int, length: int, rows: int, width: int, devi
     return torch.where(p < block_length, length - block_length + p, 0).expand(rows, -1)
 
 
-def prepare_block_forward(model: BlockDiffusionTransformer, canvas: torch.Tensor, store: KVStore,
-                          requests: list[Request], slots: torch.Tensor, cache_start: torch.Tensor,
-                          width: int) -> Callable[[], torch.Tensor]:
-    """The rows' forward (one `group`), returning logits [R, width, V] at their block positions
-    (a store pass returns some row's logits there: no decision reads them)."""
+def block_forward(model: BlockDiffusionTransformer, slots: Slots, rows: Batch, width: int) -> torch.Tensor:
+    """The rows' forward (one `group`): logits [R, width, V] at their block positions (a store pass
+    returns some row's logits there: no decision reads them)."""
+    requests = rows.requests
     kind, block_length, length = group(requests[0])[:3]
-    if kind == FORWARD_WINDOW:
-        return _prepare_window_forward(model, canvas, requests, slots, width)
+    canvas = slots.canvas
+    at = _block_logits_at(block_length, length, len(requests), width, canvas.device)
+    if kind == FORWARD_WINDOW:  # [0, block end) with the row's mask; no cache is read or written
+        return model(canvas[rows.slots, :length], block_size=block_length, mask=requests[0].params.block_attention,
+                     logits_at=at)
     positions = torch.arange(length, device=canvas.device)
-    ids = canvas[slots[:, None], cache_start[:, None] + positions]
-    cache = BlockCache(store, cache_start, rows=slots, width=max(r.cached for r in requests) + length)
+    ids = canvas[rows.slots[:, None], rows.cache_start[:, None] + positions]
+    cache = BlockCache(slots.store, rows.cache_start, rows=rows.slots, width=max(r.cached for r in requests) + length)
     if kind == FORWARD_STORE:
         at = torch.zeros(len(requests), width, dtype=torch.long, device=canvas.device)
-    else:
-        at = _block_logits_at(block_length, length, len(requests), width, canvas.device)
-
-    def forward() -> torch.Tensor:
-        return model.forward_cached(ids, cache, block_size=block_length, logits_at=at)
-
-    return forward
-
-
-def _prepare_window_forward(model: BlockDiffusionTransformer, canvas: torch.Tensor, requests: list[Request],
-                            slots: torch.Tensor, width: int) -> Callable[[], torch.Tensor]:
-    """The rows' windows [0, block end) through the full forward with their mask; no cache is read
-    or written."""
-    _, block_length, length, mask = group(requests[0])
-    ids = canvas[slots, :length]
-    at = _block_logits_at(block_length, length, len(requests), width, canvas.device)
-
-    def forward() -> torch.Tensor:
-        return model(ids, block_size=block_length, mask=mask, logits_at=at)
-
-    return forward
+    return model.forward_cached(ids, cache, block_size=block_length, logits_at=at)

@@ -34,7 +34,6 @@ from engine.errors import CheckpointError, RequestError
 from engine.loading.tokenizer import encode_text, load_tokenizer
 from engine.loading.weights import load_model
 from engine.model_runner import ModelRunner
-from engine.models.block_transformer import BlockDiffusionTransformer
 from engine.models.transformer import DiffusionTransformer
 from engine.request import Request, StepOutput
 from engine.scheduler import Scheduler
@@ -78,7 +77,7 @@ class Engine:
         self._end_ids = torch.tensor(model.special.end_ids, device=model.device)
         self._end_set = frozenset(model.special.end_ids)
         # block diffusion (SDAR, LLaDA2): the block-causal mode (engine.block_runner, docs/decoding.md)
-        self.block_causal = isinstance(model, BlockDiffusionTransformer)
+        self.block_causal = model.block_causal
         self._ids = itertools.count()
         self.reset()
 
@@ -96,7 +95,7 @@ class Engine:
     def default_params(self, params: Optional[DecodeParams] = None) -> DecodeParams:
         """`params` (or the defaults) with this model's defaults filled in."""
         params = params or DecodeParams()
-        trained = getattr(self.model, "block_size", None)
+        trained = self.model.block_size
         if self.block_causal and params.block_length is None and trained and params.gen_length % trained == 0:
             params = params.with_overrides(block_length=trained)  # the block the checkpoint was trained with
         return resolve_defaults(params, self.architecture)

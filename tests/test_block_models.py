@@ -13,8 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine import load_model
-from engine.models.block_layers import block_causal_mask
-from engine.models.block_transformer import BlockCache, BlockDiffusionTransformer
+from engine.models.block_transformer import BlockCache, BlockDiffusionTransformer, block_causal_mask
 from engine.models.kv_cache import KVStore
 from engine.models.moe import GroupedExperts, grouped_mm_available
 

@@ -96,7 +96,7 @@ def test_one_host_read_per_step_on_block_diffusion_models(fixtures, tmp_path, mo
     for checkpoint in _block_checkpoints(fixtures, tmp_path):
         model = load_model(checkpoint)
         current: dict = {"internal": 0}
-        original = model._run
+        original = model.run_layers
 
         def run(*args, original=original, current=current, **kwargs):
             before = current["reads"].count
@@ -104,7 +104,7 @@ def test_one_host_read_per_step_on_block_diffusion_models(fixtures, tmp_path, mo
             current["internal"] += current["reads"].count - before
             return out
 
-        monkeypatch.setattr(model, "_run", run)
+        monkeypatch.setattr(model, "run_layers", run)
         engine = Engine.from_model(model, max_batch=4)
         for i in range(9):  # more than a batch: rows join while others run
             params = DecodeParams(policy=BLOCK_POLICIES[i % len(BLOCK_POLICIES)], gen_length=16,

@@ -10,7 +10,7 @@ import torch
 
 from engine import Engine, RequestError, load_model
 from engine.decoding import DecodeParamError, DecodeParams, generate
-from engine.models.layers import write_kv
+from engine.models.kv_cache import write_kv
 
 
 def _prompts(n: int = 8, seed: int = 0) -> list[list[int]]:
@@ -246,5 +246,5 @@ def test_write_kv_writes_each_rows_columns_and_nothing_else():
     for b in range(3):
         for i in range(5):
             expected[b, :, write_index[b, i]] = new[b, :, i]
-    write_kv(store, new, write_index)
+    write_kv(store, new, write_index, torch.arange(3))
     assert torch.equal(store, expected)

@@ -9,7 +9,6 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from engine.models.block_transformer import BlockDiffusionTransformer
 from engine.models.transformer import DiffusionTransformer
 from engine.models.weight_names import expected_weights
 
@@ -80,7 +79,7 @@ def generation_config(architecture: str, eos_id: int, mask_id: int) -> dict[str,
     return {"_from_model_config": True, "eos_token_id": eos_id}
 
 
-def export_state_dict(model: DiffusionTransformer | BlockDiffusionTransformer) -> dict[str, torch.Tensor]:
+def export_state_dict(model: DiffusionTransformer) -> dict[str, torch.Tensor]:
     """Our parameters under the official checkpoint names (fused q|k|v and gate|up split back)."""
     params = dict(model.named_parameters())
     out: dict[str, torch.Tensor] = {}
@@ -93,7 +92,7 @@ def export_state_dict(model: DiffusionTransformer | BlockDiffusionTransformer) -
     return out
 
 
-def save_checkpoint(model: DiffusionTransformer | BlockDiffusionTransformer, hf_config: dict[str, Any],
+def save_checkpoint(model: DiffusionTransformer, hf_config: dict[str, Any],
                     gen_config: dict[str, Any], dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")

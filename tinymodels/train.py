@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from engine.models.block_transformer import BlockDiffusionTransformer
 from engine.models.dream import DreamModel
 from engine.models.llada import LLaDAModel
 from engine.models.sdar import SDARModel
@@ -71,11 +70,10 @@ def hf_config_for(config: TrainConfig) -> dict[str, Any]:
                         config.mlp_hidden, vocab, mask_id=mask_id, eos_id=end_id, rope_theta=config.rope_theta)
 
 
-Model = DiffusionTransformer | BlockDiffusionTransformer
-_MODEL_CLASSES: dict[str, type[Model]] = {"llada": LLaDAModel, "dream": DreamModel, "sdar": SDARModel}
+_MODEL_CLASSES: dict[str, type[DiffusionTransformer]] = {"llada": LLaDAModel, "dream": DreamModel, "sdar": SDARModel}
 
 
-def build_model(config: TrainConfig) -> tuple[Model, dict[str, Any]]:
+def build_model(config: TrainConfig) -> tuple[DiffusionTransformer, dict[str, Any]]:
     hf = hf_config_for(config)
     cls = _MODEL_CLASSES[config.arch]
     end_id = chars.special_id(chars.END)
@@ -202,7 +200,7 @@ def train_step(model: torch.nn.Module, optimizer: Optimizer, config: TrainConfig
     loss = torch.zeros((), device=device)
     for examples, canvas_length in micro_batches(config, step_examples(config, step), generator):
         plain = (torch.rand(len(examples), generator=generator) < config.plain_prompt_share).tolist()
-        if isinstance(model, BlockDiffusionTransformer):  # rows sized by their own responses, not the canvas
+        if model.block_causal:  # rows sized by their own responses, not the canvas
             ids, maskable = encode_block_examples(examples, plain, config.block_size)
             part = block_diffusion_loss(model, ids.to(device), maskable, config.block_size, generator,
                                         config.gen_length)
@@ -219,7 +217,7 @@ def train_step(model: torch.nn.Module, optimizer: Optimizer, config: TrainConfig
     return loss.item()
 
 
-def _export(model: Model, hf: dict[str, Any], config: TrainConfig, dest: Path) -> None:
+def _export(model: DiffusionTransformer, hf: dict[str, Any], config: TrainConfig, dest: Path) -> None:
     save_checkpoint(model, hf, generation_config(config.arch, chars.special_id(chars.END),
                                                  chars.special_id(chars.MASK)), dest)
     chars.write_tokenizer_files(dest)

@@ -3,8 +3,9 @@
 A `KVStore` holds, per layer, keys and values of shape [B, kv_heads, width, head_dim] (post-RoPE,
 so a stored key never needs its position again) and a key mask [B, width] (True = may be attended).
 A forward pass given a store and a `write_index` [B, Lq] writes the keys/values of its Lq input
-tokens into those columns, then lets its queries attend over all columns of the store. A full
-forward writes every column; a block forward (Fast-dLLM's DualCache) rewrites only the block.
+tokens into those columns, then lets its queries attend over the store's columns (`CacheWrite`). A
+full forward writes every column; a block forward (Fast-dLLM's DualCache) rewrites only the block;
+a block-diffusion model's forward writes the tokens it feeds after its exact cache.
 
 The engine keeps one store for all its slots: a full forward of some rows writes their keys and
 values into those rows of the store (`rows`) and attends only to what it computed itself
@@ -43,6 +44,11 @@ class KVStore:
         bigger.key_mask[:, :old] = self.key_mask
         return bigger
 
+    def rows_view(self, rows: slice) -> KVStore:
+        """A store of these rows that shares this one's memory."""
+        return KVStore(keys=[k[rows] for k in self.keys], values=[v[rows] for v in self.values],
+                       key_mask=self.key_mask[rows])
+
     @property
     def batch(self) -> int:
         return self.key_mask.shape[0]
@@ -52,23 +58,45 @@ class KVStore:
         return self.key_mask.shape[1]
 
 
+def write_kv(store: torch.Tensor, new: torch.Tensor, write_index: torch.Tensor, rows: torch.Tensor) -> None:
+    """store[rows[b], :, write_index[b, i]] = new[b, :, i] for store [S, heads, width, dim] and new
+    [B, heads, L, dim]. Indexed assignment through a [S, width, heads, dim] view rather than scatter_
+    along the width: the same writes, but each fed position moves one contiguous heads x dim slab
+    instead of a scatter_ that walks every element with its own index."""
+    store.transpose(1, 2)[rows[:, None], write_index] = new.transpose(1, 2)
+
+
 @dataclass
 class CacheWrite:
     """Where the current forward's tokens go in `store`: column `write_index[b, i]` of store row
     `rows[b]` (row b when `rows` is None) for token i of input row b. With `attend_to_cache`, the
-    queries of row b attend over the columns of store row `rows[b]`; without, over this forward's
-    own keys and values."""
+    queries of row b attend over the first `width` columns (all when None) of store row `rows[b]`;
+    without, over this forward's own keys and values."""
 
     store: KVStore
     write_index: torch.Tensor  # [B, Lq] long
     rows: Optional[torch.Tensor] = None  # [B] long
     attend_to_cache: bool = True
+    width: Optional[int] = None
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.store.keys[i], self.store.values[i]
+    def __post_init__(self) -> None:
+        # the store row of each input row, made once a forward rather than once a layer
+        self.write_rows = self.rows if self.rows is not None else torch.arange(
+            self.write_index.shape[0], device=self.write_index.device)
 
-    def write_rows(self) -> torch.Tensor:
-        """[B] the store row of each input row (made once a forward, not once a layer)."""
-        if self.rows is not None:
-            return self.rows
-        return torch.arange(self.write_index.shape[0], device=self.write_index.device)
+    def write_and_read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this forward's keys/values [B, kv_heads, Lq, dim] of layer `layer`; return what its
+        queries attend over."""
+        keys, values = self.store.keys[layer], self.store.values[layer]
+        write_kv(keys, k, self.write_index, self.write_rows)
+        write_kv(values, v, self.write_index, self.write_rows)
+        if not self.attend_to_cache:
+            return k, v
+        if self.rows is None:  # a view of the first rows, not a copy
+            return keys[:k.shape[0], :, :self.width], values[:k.shape[0], :, :self.width]
+        return keys[self.rows, :, :self.width], values[self.rows, :, :self.width]
+
+    def key_mask(self) -> torch.Tensor:
+        """[B, width] the store's key mask at the rows and columns attended over."""
+        mask = self.store.key_mask[:self.write_index.shape[0]] if self.rows is None else self.store.key_mask[self.rows]
+        return mask[:, :self.width]

@@ -1,7 +1,9 @@
-"""Layers shared by every model family: RMSNorm, rotary embedding, attention block, SwiGLU MLP.
+"""Layers shared by every model family: RMSNorm, rotary embedding, attention, SwiGLU MLP.
 
 Projections that read the same input are fused (q|k|v and gate|up) so each is one matmul; the
-loader fills the fused weights shard by shard through `shard_offsets`.
+loader fills the fused weights shard by shard through `shard_offsets`. The families differ only in
+what `ModelConfig` switches on: QK-norm and partial RoPE (SDAR, LLaDA2), where RMSNorm scales in
+float32, and the attention mask their model builds (bidirectional, or block-causal).
 
 Inside a layer, submodules are run through their `forward`, not through `nn.Module.__call__`: its
 hook dispatch costs a few microseconds a call, ten calls a layer, which is a visible share of a
@@ -20,13 +22,10 @@ from torch import nn
 
 from engine.models.attention import AttentionFn, sdpa_attention
 from engine.models.config import ModelConfig
+from engine.models.kv_cache import CacheWrite
 
 # Input positions whose outputs are wanted: the first K positions (an int K) or [B, K] indices.
 Positions = Union[int, torch.Tensor]
-
-# (keys, values, write_index, the store row of each input row, rows or None, attend to the cache): one
-# layer's share of a CacheWrite
-LayerCache = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], bool]
 
 
 class RMSNorm(nn.Module):
@@ -40,10 +39,27 @@ class RMSNorm(nn.Module):
             # PyTorch's kernel for the formula below (float32 in and out; bit for bit on CPU, where the
             # parity and golden tests run)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # Both official models normalise in float32 and cast back *before* scaling by the weight.
+        # LLaDA, Dream and LLaDA2 normalise in float32 and cast back *before* scaling by the weight.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+class Float32ScaleRMSNorm(RMSNorm):
+    """RMSNorm that multiplies by its weight in float32 and casts once (SDAR's Triton `rms_norm_fn`);
+    the shared RMSNorm casts first. The same numbers in float32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return super().forward(x)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)
+
+
+def make_norm(size: int, config: ModelConfig) -> RMSNorm:
+    cls = Float32ScaleRMSNorm if config.norm_scale_in_float32 else RMSNorm
+    return cls(size, config.rms_norm_eps)
 
 
 class FusedLinear(nn.Linear):
@@ -59,26 +75,26 @@ class FusedLinear(nn.Linear):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half (NeoX) RoPE over the full head dimension, cos/sin always built in float32.
+    """Rotate-half (NeoX) RoPE over the first `dim` dims of each head, cos/sin always built in float32.
 
     The inverse frequencies are computed once per device and kept outside the module's buffers, so
     casting the model to bfloat16 never rounds them."""
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, dim: int, theta: float) -> None:
         super().__init__()
-        self.head_dim = head_dim
+        self.dim = dim
         self.theta = theta
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         cached = self._inv_freq.get(device)
         if cached is None:
-            exponent = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.int64).float() / self.head_dim
+            exponent = torch.arange(0, self.dim, 2, device=device, dtype=torch.int64).float() / self.dim
             cached = self._inv_freq[device] = 1.0 / (self.theta ** exponent)
         return cached
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids [B, L] -> cos, signed sin of shape [B, L, 1, head_dim] in float32 (heads
+        """position_ids [B, L] -> cos, signed sin of shape [B, L, 1, dim] in float32 (heads
         broadcast). The sine's first half is negated, so that rotate-half is a plain swap of halves:
         rotate_half(x) * sin == swap_halves(x) * signed_sin, exactly (a sign flip does not round)."""
         freqs = position_ids.float()[..., None] * self.inv_freq(position_ids.device)
@@ -89,7 +105,7 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                  in_float32: bool) -> torch.Tensor:
-    """RoPE on x [B, L, heads, head_dim] with `RotaryEmbedding`'s cos and signed sin."""
+    """RoPE on x [B, L, heads, dim] with `RotaryEmbedding`'s cos and signed sin."""
     if in_float32 and x.dtype != torch.float32:
         return apply_rotary(x.float(), cos, signed_sin, False).to(x.dtype)
     if not in_float32:
@@ -106,57 +122,48 @@ def select_positions(x: torch.Tensor, at: Positions) -> torch.Tensor:
     return x.gather(1, index)
 
 
-def write_kv(store: torch.Tensor, new: torch.Tensor, write_index: torch.Tensor,
-             rows: Optional[torch.Tensor] = None) -> None:
-    """store[rows[b], :, write_index[b, i]] = new[b, :, i] for store [S, heads, width, dim] and new
-    [B, heads, L, dim] (rows[b] = b when None). Indexed assignment through a [S, width, heads, dim]
-    view rather than scatter_ along the width: the same writes, but each fed position moves one
-    contiguous heads x dim slab instead of a scatter_ that walks every element with its own index."""
-    if rows is None:
-        rows = torch.arange(new.shape[0], device=write_index.device)
-    store.transpose(1, 2)[rows[:, None], write_index] = new.transpose(1, 2)
-
-
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
+        self.index = index  # the layer's keys and values in a KV store
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
+        self.rotary_dim = config.rotary_dim
         self.rope_in_float32 = config.rope_in_float32
         self.qkv_proj = FusedLinear(config.hidden_size,
                                     {"q": config.q_size, "k": config.kv_size, "v": config.kv_size},
                                     bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.q_norm = make_norm(config.head_dim, config) if config.qk_norm else None
+        self.k_norm = make_norm(config.head_dim, config) if config.qk_norm else None
         self.kernel: AttentionFn = sdpa_attention
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                key_mask: Optional[torch.Tensor],
-                cache: Optional[LayerCache] = None, query_at: Optional[Positions] = None) -> torch.Tensor:
-        """With `cache`, this forward's k/v are written into the cache (see `CacheWrite`) and, when
-        it says so, the queries attend over the whole cache. With `query_at`, every position is a key
-        and a value but only those positions are queries: the output is theirs alone."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor],
+                cache: Optional[CacheWrite] = None, query_at: Optional[Positions] = None) -> torch.Tensor:
+        """`mask` [B|1, 1, Lq|1, Lk]: bool (True = may attend), float (added to the scores) or None.
+        Keys are this forward's tokens, or with `cache` the cache's (`CacheWrite.write_and_read`).
+        With `query_at`, every position is a key and a value but only those positions are queries:
+        the output is theirs alone."""
         batch, length, _ = x.shape
-        q_width = self.num_heads * self.head_dim
-        qkv = self.qkv_proj.forward(x)
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj.forward(x).view(batch, length, heads + 2 * kv_heads, self.head_dim)
+        qk, v = qkv[:, :, :heads + kv_heads], qkv[:, :, heads + kv_heads:]
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat((self.q_norm.forward(qk[:, :, :heads]), self.k_norm.forward(qk[:, :, heads:])), dim=2)
         # RoPE on the queries and keys together: one rotation over their heads side by side
-        qk = qkv[..., :q_width + self.num_kv_heads * self.head_dim].view(
-            batch, length, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = apply_rotary(qk, cos, sin, self.rope_in_float32)
-        q = qk[:, :, :self.num_heads]
-        if query_at is not None:
-            q = select_positions(q, query_at)
-        q = q.transpose(1, 2)
-        k = qk[:, :, self.num_heads:].transpose(1, 2)
-        v = qkv[..., q_width + self.num_kv_heads * self.head_dim:].view(
-            batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.rotary_dim == self.head_dim:
+            qk = apply_rotary(qk, cos, sin, self.rope_in_float32)
+        else:  # partial RoPE: the last dims pass through
+            rotated = apply_rotary(qk[..., :self.rotary_dim], cos, sin, self.rope_in_float32)
+            qk = torch.cat((rotated, qk[..., self.rotary_dim:]), dim=-1)
+        q = qk[:, :, :heads] if query_at is None else select_positions(qk[:, :, :heads], query_at)
+        q, k, v = q.transpose(1, 2), qk[:, :, heads:].transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
-            cache_k, cache_v, write_index, write_rows, rows, attend_to_cache = cache
-            write_kv(cache_k, k, write_index, write_rows)
-            write_kv(cache_v, v, write_index, write_rows)
-            if attend_to_cache:  # the cache rows of this forward's inputs
-                k, v = (cache_k, cache_v) if rows is None else (cache_k[rows], cache_v[rows])
-        out = self.kernel(q, k, v, key_mask)
+            k, v = cache.write_and_read(self.index, k, v)
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask.to(q.dtype)  # SDPA wants an additive mask in the query dtype
+        out = self.kernel(q, k, v, mask)
         return self.o_proj.forward(out.transpose(1, 2).reshape(batch, q.shape[2], -1))
 
 
@@ -171,21 +178,3 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.forward(x).split(self.intermediate_size, dim=-1)
         return self.down_proj.forward(F.silu(gate) * up)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config)
-        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                key_mask: Optional[torch.Tensor],
-                cache: Optional[LayerCache] = None, query_at: Optional[Positions] = None) -> torch.Tensor:
-        """The layer's output at every position, or at `query_at` only (every position still
-        writes its keys and values): what a last layer needs when only some logits are wanted."""
-        attended = self.attn.forward(self.attn_norm.forward(x), cos, sin, key_mask, cache, query_at)
-        x = (x if query_at is None else select_positions(x, query_at)) + attended
-        return x + self.mlp.forward(self.mlp_norm.forward(x))

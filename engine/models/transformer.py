@@ -1,9 +1,12 @@
-"""The shared masked-diffusion transformer: embedding, N pre-norm decoder layers, norm, head.
+"""The transformer every family is built from: embedding, N pre-norm decoder layers, norm, head.
 
+`DiffusionTransformer` is the masked-diffusion model (LLaDA, Dream): bidirectional attention.
 Contract: `model(input_ids [B, L], attention_mask [B, L] | None, position_ids [B, L] | None)`
 returns raw logits [B, L, vocab] (never shifted; `logits_shifted` tells the decoder whether output
 i-1 predicts token i). Rows may be left-padded: attention_mask 0 marks pads, which no token attends
 to, and positions then count real tokens only, so every real token gets the logits it gets unpadded.
+The block-diffusion families (SDAR, LLaDA2) share its layers and `run_layers` and differ in the
+mask and the cache their forwards build (`block_transformer.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from torch import nn
 from engine.models.attention import AttentionFn
 from engine.models.config import ModelConfig
 from engine.models.kv_cache import CacheWrite
-from engine.models.layers import DecoderLayer, Positions, RMSNorm, RotaryEmbedding, select_positions
+from engine.models.layers import Attention, Positions, RotaryEmbedding, SwiGLU, make_norm, select_positions
+from engine.models.moe import SparseMoe
 from engine.special_tokens import SpecialTokens
 
 
@@ -30,23 +34,43 @@ def positions_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
 
 
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.attn_norm = make_norm(config.hidden_size, config)
+        self.attn = Attention(config, index)
+        self.mlp_norm = make_norm(config.hidden_size, config)
+        moe = config.moe
+        self.mlp: nn.Module = (SparseMoe(config.hidden_size, moe) if moe is not None and index >= moe.first_dense_layers
+                               else SwiGLU(config.hidden_size, config.intermediate_size))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor],
+                cache: Optional[CacheWrite] = None, query_at: Optional[Positions] = None) -> torch.Tensor:
+        """The layer's output at every position, or at `query_at` only (every position still
+        writes its keys and values): what a last layer needs when only some logits are wanted."""
+        attended = self.attn.forward(self.attn_norm.forward(x), cos, sin, mask, cache, query_at)
+        x = (x if query_at is None else select_positions(x, query_at)) + attended
+        return x + self.mlp.forward(self.mlp_norm.forward(x))
+
+
 class DiffusionTransformer(nn.Module):
     architecture: ClassVar[str] = ""
     display_name: ClassVar[str] = ""
+    block_causal: ClassVar[bool] = False  # block diffusion: causal across blocks (block_transformer.py)
 
-    def __init__(self, config: ModelConfig, special: SpecialTokens,
+    def __init__(self, config: ModelConfig, special: Optional[SpecialTokens],
                  hf_config: Optional[dict[str, Any]] = None) -> None:
         super().__init__()
         self.config = config
-        self.special = special
+        self.special = special  # None only where a checkpoint's ids are not needed (inspect)
         self.hf_config = dict(hf_config or {})
         self.attention_backend = "sdpa"
         self.quantization = "none"  # engine.quantization's mode of the decoder layers' linear layers
         self.quantized_head = False
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = make_norm(config.hidden_size, config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -58,6 +82,11 @@ class DiffusionTransformer(nn.Module):
     @property
     def logits_shifted(self) -> bool:
         return self.config.logits_shifted
+
+    @property
+    def block_size(self) -> Optional[int]:
+        """The block a block-diffusion checkpoint was trained with, when its config states one."""
+        return self.config.block_size
 
     @property
     def device(self) -> torch.device:
@@ -81,19 +110,17 @@ class DiffusionTransformer(nn.Module):
         the first K input positions when `logits_at` is the int K.
 
         With `cache`, the inputs' keys/values are written into the cache store and attention runs
-        over the store's columns, masked by `cache.store.key_mask` (`attention_mask` must be None),
+        over the store's columns, masked by the store's key mask (`attention_mask` must be None),
         or, when `cache.attend_to_cache` is False, over the inputs themselves, masked by
         `attention_mask`.
         If `hidden_states_out` is a list, the input of every layer and the normed final state are
         appended to it (Hugging Face's `output_hidden_states` order)."""
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+        _check_ids(input_ids)
         key_mask = None
         if cache is not None and cache.attend_to_cache:
             if attention_mask is not None:
                 raise ValueError("with a cache, the key mask comes from the cache store")
-            store_mask = cache.store.key_mask if cache.rows is None else cache.store.key_mask[cache.rows]
-            key_mask = store_mask[:, None, None, :]
+            key_mask = cache.key_mask()[:, None, None, :]
         elif attention_mask is not None:
             if attention_mask.shape != input_ids.shape:
                 raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} does not match "
@@ -103,23 +130,33 @@ class DiffusionTransformer(nn.Module):
                 position_ids = positions_from_attention_mask(attention_mask)
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        return self.run_layers(input_ids, position_ids, key_mask, cache, logits_at, hidden_states_out)
+
+    def run_layers(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: Optional[torch.Tensor],
+                   cache: Optional[CacheWrite], logits_at: Optional[Positions],
+                   hidden_states_out: Optional[list[torch.Tensor]]) -> torch.Tensor:
+        """The layers over tokens at `position_ids` [B|1, L] under `mask` (see `Attention.forward`)."""
         cos, sin = self.rotary.forward(position_ids)
         x = self.embed.forward(input_ids)
-        write_rows = None if cache is None else cache.write_rows()
         # Only some outputs wanted: past its keys and values, the last layer computes those positions
-        # alone (its attention queries, MLP, norm and head), the same values at a fraction of the work
-        query_at = logits_at if hidden_states_out is None else None
+        # alone (its attention queries, MLP, norm and head), the same values at a fraction of the work.
+        # Under a mask with a row per query (block-causal) the head takes the positions instead.
+        per_query = mask is not None and mask.shape[-2] > 1
+        query_at = logits_at if hidden_states_out is None and not per_query else None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             if hidden_states_out is not None:
                 hidden_states_out.append(x)
-            layer_cache = None if cache is None else (*cache.layer(i), cache.write_index, write_rows, cache.rows,
-                                                      cache.attend_to_cache)
             # no hooks: see engine.models.layers
-            x = layer.forward(x, cos, sin, key_mask, layer_cache, query_at if i == last else None)
+            x = layer.forward(x, cos, sin, mask, cache, query_at if i == last else None)
         if logits_at is not None and query_at is None:
             x = select_positions(x, logits_at)
         x = self.norm.forward(x)
         if hidden_states_out is not None:
             hidden_states_out.append(x)
         return self.lm_head.forward(x)
+
+
+def _check_ids(input_ids: torch.Tensor) -> None:
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
