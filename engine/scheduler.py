@@ -2,9 +2,8 @@
 
 `schedule()` admits waiting requests into free slots (step-level continuous batching: a request
 joins at the next step, a finished or aborted one leaves at once) and returns the newly admitted.
-`postprocess()` reads the step's one host summary (`engine.summary`) and advances each row: its counters and telemetry,
-the tokens that became final, the move to the next block, and finishing (early exit at the first
-end token with no mask before it, or the last block done).
+`postprocess()` reads the step's one host summary (`engine.summary`), advances each row
+(`engine.advance`: telemetry, block moves, finishing) and reports the tokens that became final.
 
 Thread safety: `add` and `abort` may be called from any thread (the server's event loop); they
 take a lock and never touch a running row. Aborts of running rows take effect at the next
@@ -17,13 +16,12 @@ import heapq
 import threading
 from collections import deque
 from collections.abc import Sequence
-from typing import Optional
 
 import torch
 
-from engine.block_advance import advance_block_causal
-from engine.decoding.types import FINISH_LENGTH, FINISH_STOP, GenerationResult, TokenLogprob
-from engine.request import FORWARD_STORE, Request, StepOutput, finish
+from engine.advance import advance
+from engine.decoding.types import TokenLogprob
+from engine.request import FORWARD_STORE, Request, StepOutput
 from engine.summary import RowSummary
 
 
@@ -111,12 +109,9 @@ class Scheduler:
                                                                                    request.block_length))
             if request.logprobs is not None and not storing:
                 self._record_logprobs(request, info)
-            if request.block_causal:
-                result = advance_block_causal(request, info, storing)
-                if request.edits:  # block-edit may still change its block: finished blocks only
-                    stable = request.block_start - request.origin
-            else:
-                result = self._advance(request, info)
+            result = advance(request, info, storing)
+            if request.edits:  # block-edit may still change its block: finished blocks only
+                stable = request.block_start - request.origin
             if result is not None:
                 stable = request.tail + len(result.generated_ids)
             new_ids, new_logprobs = request.take_new_final(min(stable, request.tail + request.gen_length))
@@ -143,38 +138,3 @@ class Scheduler:
             if request.generated[offset + position] != token and token != request.mask_id:
                 chosen, top = info.logprob(position)
                 request.logprobs[offset + position] = TokenLogprob(token, chosen, top[:k])  # type: ignore[index]
-
-    def _advance(self, request: Request, info: RowSummary) -> Optional[GenerationResult]:
-        offset = request.block_start - request.prompt_len
-        width = request.block_length
-        request.generated[offset:offset + width] = info.tokens[:width]
-        stats = request.stats
-        stats.nfe += 1
-        stats.tokens_per_step.append(info.committed)
-        stats.forced_commits += info.forced
-        stats.grinding_exits += info.grinding_exit
-        if request.step == 0:  # every position of the block was a candidate
-            bands = stats.first_step_confidence_bands
-            bands[0] += info.band_high
-            bands[1] += request.masked_now - info.band_high - info.band_low
-            bands[2] += info.band_low
-        request.masked_now = info.still_masked
-        if request.params.stops_at_end and info.end_pos < info.first_masked:  # an end token, no mask before it
-            stats.steps_per_block.append(request.step + 1)
-            end = offset + info.end_pos
-            return self._result(request, FINISH_STOP, request.generated[:end + 1], end)
-        if info.still_masked:
-            request.step += 1
-            return None
-        stats.steps_per_block.append(request.step + 1)
-        request.block += 1
-        request.step = 0
-        request.masked_now = request.masked_at_block_start = request.block_length
-        if request.block < request.num_blocks:
-            return None
-        end = request.first_end()
-        return self._result(request, FINISH_STOP if end is not None else FINISH_LENGTH, list(request.generated), end)
-
-    @staticmethod
-    def _result(request: Request, reason: str, generated: list[int], end: Optional[int]) -> GenerationResult:
-        return finish(request, reason, generated, end)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.block_advance import advance_block_causal
+from engine.advance import advance
 from engine.decoding import policies as P
 from engine.decoding.decide import PolicyInputs, decide_block_edit
 from engine.decoding.params import DecodeParamError, DecodeParams, resolve_defaults
@@ -89,36 +89,36 @@ def _request(**knobs) -> Request:
 
 def test_a_block_ends_after_a_clean_forward_that_edits_nothing():
     request = _request(max_post_steps=16)
-    assert advance_block_causal(request, _summary([5, MASK], 1, 0), storing=False) is None
+    assert advance(request, _summary([5, MASK], 1, 0), storing=False) is None
     assert (request.block, request.step) == (0, 1)
-    advance_block_causal(request, _summary([5, 6], 1, 0), storing=False)  # filled: the next forward is a post step
+    advance(request, _summary([5, 6], 1, 0), storing=False)  # filled: the next forward is a post step
     assert (request.block, request.post_steps) == (0, 1)
-    advance_block_causal(request, _summary([5, 7], 0, 1), storing=False)  # an edit: one more post step
+    advance(request, _summary([5, 7], 0, 1), storing=False)  # an edit: one more post step
     assert (request.block, request.post_steps) == (0, 2)
-    advance_block_causal(request, _summary([5, 7], 0, 0), storing=False)  # clean, nothing edited: the block ends
+    advance(request, _summary([5, 7], 0, 0), storing=False)  # clean, nothing edited: the block ends
     assert (request.block, request.step, request.post_steps) == (1, 0, 0)
     assert request.stats.nfe == 4 and request.stats.steps_per_block == [4]
 
 
 def test_post_steps_are_spent_before_the_forward_and_masks_may_come_back():
     request = _request(max_post_steps=1)
-    advance_block_causal(request, _summary([5, 6], 2, 0), storing=False)  # filled at once: post step 1 next
+    advance(request, _summary([5, 6], 2, 0), storing=False)  # filled at once: post step 1 next
     assert (request.block, request.post_steps) == (0, 1)
-    advance_block_causal(request, _summary([5, MASK], 0, 1), storing=False)  # an edit masks position 1 again
+    advance(request, _summary([5, MASK], 0, 1), storing=False)  # an edit masks position 1 again
     assert (request.block, request.post_steps, request.masked_now) == (0, 1, 1)
-    advance_block_causal(request, _summary([5, 6], 1, 0), storing=False)  # refilled: post step 2 > 1, no forward
+    advance(request, _summary([5, 6], 1, 0), storing=False)  # refilled: post step 2 > 1, no forward
     assert request.block == 1 and request.stats.nfe == 3
     zero = _request(max_post_steps=0)
-    advance_block_causal(zero, _summary([5, 6], 2, 0), storing=False)  # no post step at all
+    advance(zero, _summary([5, 6], 2, 0), storing=False)  # no post step at all
     assert zero.block == 1 and zero.stats.nfe == 1
 
 
 def test_the_step_limit_ends_a_block():
     request = _request(max_steps_per_block=2)
     assert not request.at_step_limit
-    advance_block_causal(request, _summary([MASK, MASK], 0, 0), storing=False)
+    advance(request, _summary([MASK, MASK], 0, 0), storing=False)
     assert request.at_step_limit  # the next step fills the block (decide_step), then the block ends
-    advance_block_causal(request, _summary([5, 6], 2, 0), storing=False)
+    advance(request, _summary([5, 6], 2, 0), storing=False)
     assert request.block == 1
 
 

@@ -21,7 +21,6 @@ Families:
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -62,19 +61,11 @@ def commit_best(score: torch.Tensor, candidates: torch.Tensor, quota: torch.Tens
     return candidates & (rank_in_row(score, candidates) < quota[:, None])
 
 
-@functools.lru_cache(maxsize=64)
-def block_positions(width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """([width] 0..width-1, the 0-dim `width`: "no position") on `device`, made once per width: a step
-    compares positions several times, and a Python number would become a tensor at each operation."""
-    positions = torch.arange(width + 1, device=device)
-    return positions[:width], positions[width]
-
-
 def best_candidate(score: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
     """The best candidate of each row (the first on ties, as `commit_best` with a quota of 1); none
     in a row without candidates. One argmax instead of two sorts."""
     best = torch.where(candidates, score, NEG_INF).argmax(dim=-1, keepdim=True)
-    return candidates & (block_positions(score.shape[1], score.device)[0] == best)
+    return candidates & (torch.arange(score.shape[1], device=score.device) == best)
 
 
 def fixed_quota(masked_at_block_start: int, steps_per_block: int, step: int) -> int:
@@ -144,17 +135,6 @@ def box3_adaptive_threshold(step: torch.Tensor, steps_per_block: torch.Tensor, t
     return torch.where(t < warm, theta_s, relaxed)
 
 
-_CONSTANTS: dict[tuple[str, torch.device], torch.Tensor] = {}
-
-
-def device_constant(name: str, values: tuple, device: torch.device) -> torch.Tensor:
-    """A paper constant as a tensor on `device`, made once (a step would otherwise rebuild it)."""
-    key = (name, device)
-    if key not in _CONSTANTS:
-        _CONSTANTS[key] = torch.tensor(values, device=device)
-    return _CONSTANTS[key]
-
-
 def block_quarter(width: int, block_length: torch.Tensor) -> torch.Tensor:
     """Quarter (0..3) of each position p inside its block: the paper's 16/32/48 boundaries for a
     64-token block, scaled to the block length (DECISION)."""
@@ -174,7 +154,7 @@ class PositionFactors:
 
 def box6_position_factors(quarter: torch.Tensor, enabled: torch.Tensor) -> PositionFactors:
     """Box 6's position factors r_pos = 0.80 / 0.90 / 1.05 / 1.10 by quarter and its clip [0.20, 0.98]."""
-    factors = device_constant("position_factors", POSITION_FACTORS, quarter.device)[quarter]
+    factors = torch.tensor(POSITION_FACTORS, device=quarter.device)[quarter]
     on = enabled[:, None]
     low, high = TOKEN_THRESHOLD_CLIP
     return PositionFactors(torch.where(on, factors, 1.0), torch.where(on, low, -math.inf),
@@ -188,8 +168,8 @@ def box6_position_thresholds(theta_block: torch.Tensor, factors: PositionFactors
 
 def budget_levels(steps_per_block: torch.Tensor) -> torch.Tensor:
     """Box 5's 8/32/64-step budgets scaled to the steps per block (DECISION), at least 1: [B, 3]."""
-    scaled = device_constant("budget_steps", BUDGET_STEPS, steps_per_block.device)[None, :] * steps_per_block[:, None]
-    return torch.div(scaled, PAPER_STEPS_PER_BLOCK, rounding_mode="floor").clamp(min=1)
+    return torch.stack([torch.div(steps_per_block * steps, PAPER_STEPS_PER_BLOCK, rounding_mode="floor")
+                        for steps in BUDGET_STEPS], dim=1).clamp(min=1)
 
 
 @dataclass

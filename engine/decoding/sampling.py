@@ -22,8 +22,6 @@ from typing import Optional
 
 import torch
 
-from engine.decoding.policies import device_constant
-
 CONF_PROB = 0
 CONF_NEG_ENTROPY = 1
 CONF_MARGIN = 2
@@ -76,8 +74,9 @@ def token_logprobs(logits: torch.Tensor, x0: torch.Tensor, k: int) -> tuple[torc
 def _best_but(scores: torch.Tensor, excluded: int) -> torch.Tensor:
     """argmax over the last dimension, never `excluded` (a copy with that entry at -inf: cheaper
     than a top-2 here, and exactly the argmax wherever `excluded` is not the best)."""
-    index = device_constant(f"excluded token {excluded}", (excluded,), scores.device)
-    return scores.index_fill(-1, index, float("-inf")).argmax(dim=-1)
+    scores = scores.clone()
+    scores[..., excluded] = float("-inf")
+    return scores.argmax(dim=-1)
 
 
 def predict(logits: torch.Tensor, sampled: Sequence[tuple[int, torch.Generator, float]],

@@ -1,5 +1,5 @@
-"""How a block-diffusion row advances from its step's host summary (the scheduler's postprocess
-for `Request.block_causal` rows): its block's tokens, when the block ends, and when the row ends.
+"""How a row advances from its step's host summary (the scheduler's postprocess): its block's
+tokens and telemetry, when the block ends, and when the row ends.
 
 A block ends when no mask is left, except for `block-edit` (LLaDA2.1's decoder), whose block ends
 as the official `generate()` loop does: a forward that started with no mask and edited nothing
@@ -7,9 +7,11 @@ ends it; once the last mask is filled, each further forward is a post step, and 
 before the forward that would be post step `max_post_steps + 1`. Edits may mask tokens again, so
 the engine bounds a block at `max_steps_per_block` forwards, the last of which fills the block.
 
-A row ends at an end token in a finished block (LLaDA2.0's check after every block, SDAR's, and
-LLaDA2.1's `eos_early_stop`), or with `eos_early_stop` for the other policies inside its block, at
-a step that commits an end token with no mask before the first one (LLaDA2.0's in-loop check).
+A masked-diffusion row (LLaDA, Dream) ends at the step that leaves an end token with no mask
+before it (early exit), or after its last block. A block-diffusion row ends at an end token in a
+finished block (LLaDA2.0's check after every block, SDAR's, and LLaDA2.1's `eos_early_stop`), or
+with `eos_early_stop` for the other policies inside its block, at a step that commits an end token
+with no mask before the first one (LLaDA2.0's in-loop check).
 """
 
 from __future__ import annotations
@@ -21,14 +23,14 @@ from engine.request import Request, finish
 from engine.summary import RowSummary
 
 
-def advance_block_causal(request: Request, info: RowSummary, storing: bool) -> Optional[GenerationResult]:
-    """Advance a block-diffusion row by its step: a denoising step updates its block and moves to
-    the next block once the block ends; its clean prefix is cached after any of its forwards (with
-    the exact cache). SDAR's store pass, when on, finishes a block: the end check follows it, as in
-    SDAR's decoders."""
+def advance(request: Request, info: RowSummary, storing: bool) -> Optional[GenerationResult]:
+    """Advance a row by its step: a denoising step updates its block and moves to the next block
+    once the block ends. A block-diffusion row's clean prefix is cached after any of its forwards
+    (with the exact cache); SDAR's store pass, when on, finishes a block: the end check follows it,
+    as in SDAR's decoders. The row's result when the step ends it."""
     stats = request.stats
     stats.nfe += 1
-    if request.params.cache != "none":
+    if request.block_causal and request.params.cache != "none":
         request.cached = request.block_start  # the forward wrote every clean token before the block
     if storing:
         stats.tokens_per_step.append(0)
@@ -62,10 +64,13 @@ def advance_block_causal(request: Request, info: RowSummary, storing: bool) -> O
 
 
 def _stops_inside_block(request: Request, info: RowSummary) -> bool:
-    """LLaDA2.0's eos_early_stop: the step committed an end token and no mask lies before the first
-    end token of the response (the blocks before this one are finished and hold none)."""
-    return (request.params.eos_early_stop and not request.edits and info.end_committed > 0
-            and info.end_pos < info.first_masked)
+    """An end token with no mask before it in the block (the blocks before this one are finished and
+    hold none): early exit (masked diffusion), or LLaDA2.0's eos_early_stop, at a step that committed one."""
+    if info.end_pos >= info.first_masked:
+        return False
+    if not request.block_causal:
+        return request.params.stops_at_end
+    return request.params.eos_early_stop and not request.edits and info.end_committed > 0
 
 
 def _block_ends(request: Request, info: RowSummary, masked_before: int) -> bool:
