@@ -135,12 +135,12 @@ def steps_saved_per_block(engine: Engine, problems, gen_length: int, block_lengt
     config = EvalConfig("CAI full", {"policy": "cai", "gen_length": gen_length, "block_length": block_length,
                                      "steps": gen_length, "cache": "dual", "refresh_interval": refresh,
                                      "early_exit": False})
-    from engine.decoding import DecodeParams, generate
+    from engine.decoding import DecodeParams
     from engine.decoding.params import resolve_defaults
 
     params = resolve_defaults(DecodeParams.from_dict(config.params), architecture)
     prompts = [chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": p.prompt}]) for p in problems]
-    results = generate(engine.model, prompts, params, max_batch=engine.config.max_batch)
+    results = engine.generate(prompts, params)
     blocks = gen_length // block_length
     per_block = [0.0] * blocks
     for result in results:

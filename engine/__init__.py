@@ -1,4 +1,4 @@
-"""cai-dllm engine: masked diffusion language models (LLaDA, Dream) and their decoding.
+"""cai-dllm engine: diffusion language models (LLaDA, Dream; SDAR, LLaDA2) and their decoding.
 
 The engine knows nothing about HTTP. Entry points: `Engine` (add_request / step / abort /
 has_unfinished, and `generate` for offline batches), `load_model`, `load_tokenizer`.
@@ -16,9 +16,7 @@ from engine.lazy import lazy_getattr
 _EXPORTS = {
     "EngineConfig": "engine.config",
     "DecodeParams": "engine.decoding.params",
-    "GenerationRequest": "engine.decoding.types",
     "GenerationResult": "engine.decoding.types",
-    "generate": "engine.decoding.generate",
     "Engine": "engine.engine",
     "CheckpointError": "engine.errors",
     "DeviceError": "engine.errors",
@@ -32,15 +30,14 @@ _EXPORTS = {
 }
 
 __all__ = ["CheckpointError", "DecodeParams", "DeviceError", "DiffusionTransformer", "Engine", "EngineConfig",
-           "GenerationRequest", "GenerationResult", "ModelConfig", "RequestError", "SpecialTokens", "StepOutput",
-           "generate", "load_model", "load_tokenizer"]
+           "GenerationResult", "ModelConfig", "RequestError", "SpecialTokens", "StepOutput", "load_model",
+           "load_tokenizer"]
 assert sorted(__all__) == sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.decoding.generate import generate
     from engine.decoding.params import DecodeParams
-    from engine.decoding.types import GenerationRequest, GenerationResult
+    from engine.decoding.types import GenerationResult
     from engine.engine import Engine
     from engine.errors import CheckpointError, DeviceError, RequestError
     from engine.loading.tokenizer import load_tokenizer

@@ -28,7 +28,7 @@ from engine.config import EngineConfig
 from engine.cpus import default_threads
 from engine.decoding.decide import decide_step
 from engine.decoding.params import EDIT_POLICIES, DecodeParamError, DecodeParams, resolve_defaults
-from engine.decoding.types import GenerationRequest, GenerationResult
+from engine.decoding.types import GenerationResult
 from engine.dual_graphs import DualStepGraphs
 from engine.errors import CheckpointError, RequestError
 from engine.loading.tokenizer import encode_text, load_tokenizer
@@ -40,7 +40,7 @@ from engine.scheduler import Scheduler
 from engine.scoring import ScoringJob, scoring_cost
 from engine.slots import Slots
 
-Prompt = Union[GenerationRequest, Sequence[int], str]
+Prompt = Union[Sequence[int], str]
 
 
 class Engine:
@@ -253,7 +253,7 @@ class Engine:
                  on_finish: Optional[Callable[[GenerationResult], None]] = None) -> list[GenerationResult]:
         """Decode every prompt and return the results in order: a loop over add_request and step.
 
-        A prompt is token ids, a GenerationRequest, or text (encoded as is, without a chat template:
+        A prompt is token ids or text (encoded as is, without a chat template:
         see `engine.chat.chat_prompt_ids`). `params` is one DecodeParams for all prompts or one per
         prompt. Requests beyond `max_batch` wait and join as rows finish, exactly as in the server.
         With a tokenizer, each result carries its decoded `text`. `on_finish(result)` is called as each
@@ -265,9 +265,6 @@ class Engine:
         order: list[str] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-                if isinstance(prompt, GenerationRequest):
-                    order.append(self.add_request(prompt.prompt_ids, prompt.params, prompt.request_id or None))
-                    continue
                 if isinstance(prompt, str):
                     if self.tokenizer is None:
                         raise ValueError("text prompts need a tokenizer")

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from engine import Engine, GenerationRequest, GenerationResult, StepOutput
+from engine import DecodeParams, Engine, GenerationResult, StepOutput
 from engine.decoding.params import DEFAULT_BLOCK_LENGTH
 from engine.decoding.types import TokenLogprob
 from server.energy import EnergyMeter, share_energy
@@ -51,7 +51,11 @@ class Event:
 
 @dataclass
 class Submission:
-    request: GenerationRequest
+    """One choice of an API request, as the engine takes it and the handler waits on it."""
+
+    request_id: str
+    prompt_ids: Sequence[int]
+    params: DecodeParams
     choice: int
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
@@ -195,12 +199,10 @@ class EngineLoop:
                 raise QueueFull
             added: list[str] = []
             try:
-                for submission in submissions:
-                    request = submission.request
-                    self.engine.add_request(request.prompt_ids, request.params, request.request_id,
-                                            queued_at=submission.submitted)
-                    self._active[request.request_id] = submission
-                    added.append(request.request_id)
+                for sub in submissions:
+                    self.engine.add_request(sub.prompt_ids, sub.params, sub.request_id, queued_at=sub.submitted)
+                    self._active[sub.request_id] = sub
+                    added.append(sub.request_id)
             except Exception:
                 for request_id in added:
                     self._active.pop(request_id, None)
@@ -257,7 +259,7 @@ class EngineLoop:
         with self._lock:
             subs, self._active = list(self._active.values()), {}
         for sub in subs:
-            self.engine.abort(sub.request.request_id)
+            self.engine.abort(sub.request_id)
             sub.post(Event("error", sub.choice, message=message, status=503, code="shutting_down"))
         self._scoring.fail_all(message)
         self._wake.set()

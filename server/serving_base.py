@@ -21,7 +21,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from engine import RequestError
-from engine.decoding import DecodeParamError, DecodeParams, GenerationRequest
+from engine.decoding import DecodeParamError, DecodeParams
 from engine.decoding.params import canvas_for_max_tokens, canvas_within, field_types
 from engine.decoding.profiles import DecodingProfile, load_profile, profile_table
 from engine.loading.tokenizer import encode_text
@@ -212,9 +212,9 @@ class ServingBase:
                 p = params
                 if params.temperature > 0 and params.seed is not None and j:
                     p = params.with_overrides(seed=params.seed + j)  # n samples, not n copies
-                request = GenerationRequest(tuple(ids), p, new_id("req"))
-                submissions.append(Submission(request, p_index * n + j, queue, loop, stream=body.stream))
-                choices.append(ChoiceOutput(p_index * n + j, request.request_id, ids, self.loop.tokenizer, end_ids,
+                request_id = new_id("req")
+                submissions.append(Submission(request_id, ids, p, p_index * n + j, queue, loop, stream=body.stream))
+                choices.append(ChoiceOutput(p_index * n + j, request_id, ids, self.loop.tokenizer, end_ids,
                                             body.stop_strings, max_tokens, logprobs=params.logprobs is not None))
         return choices, submissions
 

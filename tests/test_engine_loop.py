@@ -11,7 +11,7 @@ import time
 import pytest
 
 from engine import Engine, EngineConfig, RequestError
-from engine.decoding import DecodeParams, GenerationRequest
+from engine.decoding import DecodeParams
 from server.energy import NvmlMeter
 from server.engine_loop import EngineLoop, QueueFull, Submission
 from server.metrics import Metrics
@@ -56,7 +56,7 @@ async def _collect(subs: list[Submission], timeout: float = 30.0) -> dict[int, o
 
 def _submissions(n: int, params: DecodeParams, stream: bool = False) -> list[Submission]:
     loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-    return [Submission(GenerationRequest((1 + i, 2, 3), params, f"r{i}"), i, queue, loop, stream) for i in range(n)]
+    return [Submission(f"r{i}", (1 + i, 2, 3), params, i, queue, loop, stream) for i in range(n)]
 
 
 def test_continuous_batching_respects_max_batch(engine):
@@ -174,8 +174,8 @@ def test_bad_request_becomes_an_error_event_and_the_loop_survives(engine):
 
     async def run():
         loop_, queue = asyncio.get_running_loop(), asyncio.Queue()
-        bad = Submission(GenerationRequest((99999,), _params(), "bad"), 0, queue, loop_, False)
-        good = Submission(GenerationRequest((1, 2), _params(), "good"), 1, queue, loop_, False)
+        bad = Submission("bad", (99999,), _params(), 0, queue, loop_, False)
+        good = Submission("good", (1, 2), _params(), 1, queue, loop_, False)
         with pytest.raises(RequestError) as refused:  # the engine validates at submission
             loop.submit([bad])
         loop.submit([good])

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES
 
-from engine.decoding import DecodeParams, generate
+from engine import Engine
+from engine.decoding import DecodeParams
 
 NOT_REPRODUCED = {
     "dream_origin_steps16_seed0": "alg='origin' commits at random from torch's global RNG; not a policy we serve",
@@ -23,6 +24,12 @@ NOT_REPRODUCED = {
 }
 
 _CACHE = {"nocache": "none", "prefixcache": "prefix", "dualcache": "dual"}
+
+
+def generate(model, prompts, params=None, max_batch=8):  # type: ignore[no-untyped-def]
+    """Decode `prompts` with a fresh engine over `model` (no request shares a step with another test's)."""
+    return Engine.from_model(model, max_batch=max_batch).generate(prompts, params)
+
 
 
 def _params(name: str, settings: dict) -> tuple[dict, bool]:

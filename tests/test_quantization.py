@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from serverproc import MODEL
 from torch import nn
 
-from engine import DeviceError, Engine, EngineConfig, GenerationRequest, load_model
+from engine import DeviceError, Engine, EngineConfig, load_model
 from engine.decoding.params import DEFAULT_BLOCK_LENGTH
 from engine.quantization import (
     check_quantization,
@@ -110,10 +110,7 @@ def _decode_held_out(engine: Engine, base, policy_caches, check_answers: bool) -
     problems = held_out_problems(2, seed=1)
     prompts = [prompt_ids(engine, p, "chat") for p in problems]
     for policy, cache in policy_caches:
-        # ids unique across the calls: generate() names its rows offline-0.. each call, and a second
-        # call reusing them after a cached one stalls on main (not a quantization matter)
-        params = base.with_overrides(policy=policy, cache=cache)
-        results = engine.generate([GenerationRequest(tuple(p), params, f"{policy}-{i}") for i, p in enumerate(prompts)])
+        results = engine.generate(prompts, base.with_overrides(policy=policy, cache=cache))
         for problem, result in zip(problems, results, strict=True):
             assert result.generated_ids and result.stats.nfe > 0
             assert [lp.token_id for lp in result.logprobs] == result.generated_ids

@@ -1,11 +1,9 @@
-"""What goes into the runner (a request) and what comes out (a result with its telemetry)."""
+"""What comes out of the engine for a request: its result, telemetry and logprobs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
-
-from engine.decoding.params import DecodeParams
 
 FINISH_STOP = "stop"  # an end token was generated
 FINISH_LENGTH = "length"  # the canvas filled without an end token
@@ -20,13 +18,6 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    prompt_ids: tuple[int, ...]
-    params: DecodeParams = field(default_factory=DecodeParams)
-    request_id: str = ""
 
 
 @dataclass

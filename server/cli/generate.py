@@ -22,9 +22,9 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine import CheckpointError, DeviceError, RequestError, load_model, load_tokenizer
+    from engine import CheckpointError, DeviceError, Engine, RequestError, load_model, load_tokenizer
     from engine.chat import chat_prompt_ids
-    from engine.decoding import DecodeParamError, DecodeParams, generate
+    from engine.decoding import DecodeParamError, DecodeParams
 
     try:
         params = DecodeParams.from_dict(decode_overrides(args))
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
                 prompts.append(list(tokenizer.encode(text, add_special_tokens=False)))
         for ids in args.prompt_ids or []:
             prompts.append([int(t) for t in ids.split(",") if t.strip()])
-        results = generate(model, prompts, params, max_batch=args.max_batch, tokenizer=tokenizer)
+        results = Engine.from_model(model, tokenizer, max_batch=args.max_batch).generate(prompts, params)
     except (CheckpointError, DeviceError, DecodeParamError, RequestError, ValueError) as err:
         return fail(err)
     for result in results:
