@@ -79,10 +79,10 @@ class AppState:
 
     def __init__(self, settings: ServerSettings, meter: Optional[EnergyMeter]) -> None:
         self.settings = settings
-        self.meter = meter or open_meter(settings.device)  # before the metrics: energy series only with a meter
-        engine_info = {"device": settings.device, "dtype": settings.dtype,
-                       "quantization": settings.engine.quantization,
-                       "quantize_head": str(settings.engine.quantize_head).lower()}
+        engine = settings.engine
+        self.meter = meter or open_meter(engine.device)  # before the metrics: energy series only with a meter
+        engine_info = {"device": engine.device, "dtype": engine.dtype, "quantization": engine.quantization,
+                       "quantize_head": str(engine.quantize_head).lower()}
         self.metrics = Metrics(settings.model_name, energy=self.meter.name != "none", engine_info=engine_info)
         self.loop: Optional[EngineLoop] = None
         self.serving: Optional[Servings] = None
@@ -94,9 +94,9 @@ class AppState:
 
     def start(self, factory: EngineFactory, on_failure: Optional[Callable[[str], None]] = None) -> None:
         began = time.monotonic()
-        settings = self.settings
-        log.info("loading %s on %s (%s), quantization %s%s", settings.model, settings.device, settings.dtype,
-                 settings.engine.quantization, " (head too)" if settings.engine.quantize_head else "")
+        settings, engine = self.settings, self.settings.engine
+        log.info("loading %s on %s (%s), quantization %s%s", engine.model, engine.device, engine.dtype,
+                 engine.quantization, " (head too)" if engine.quantize_head else "")
         try:
             loop = EngineLoop(factory(self.settings), self.settings.max_queue, self.metrics, self.meter)
             template = self.settings.chat_template_text()
@@ -238,11 +238,11 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
     def model_card() -> ModelCard:
         serving = state.require_serving().completions
         assert state.loop is not None and state.meter is not None
-        return ModelCard(id=settings.model_name, created=int(state.started), root=settings.model,
+        return ModelCard(id=settings.model_name, created=int(state.started), root=settings.engine.model,
                          max_model_len=serving.max_model_len, architecture=state.loop.architecture,
                          energy_meter=state.meter.name, decoding_profiles=list(serving.profiles),
                          default_decoding_profile=serving.default_profile.name if serving.default_profile else None,
-                         dtype=settings.dtype, quantization=state.loop.quantization,
+                         dtype=settings.engine.dtype, quantization=state.loop.quantization,
                          quantized_head=state.loop.quantized_head)
 
     @app.get("/v1/models")
@@ -289,7 +289,8 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
         loop = state.loop
         return {"version": package_version(), "model": settings.model_name,
                 "architecture": loop.architecture if loop else None,
-                "device": settings.device, "dtype": settings.dtype, "quantization": settings.engine.quantization,
+                "device": settings.engine.device, "dtype": settings.engine.dtype,
+                "quantization": settings.engine.quantization,
                 "attention_backend": loop.attention_backend if loop else None,
                 "energy_meter": state.meter.name if state.meter else None}
 

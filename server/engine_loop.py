@@ -90,53 +90,23 @@ class EngineLoop:
         self._scoring = ScoringQueue(metrics)
         self._finish_times: deque[float] = deque(maxlen=_RATE_WINDOW)  # when the last requests finished
         self._thread = threading.Thread(target=self._run, name="cai-dllm-engine", daemon=True)
+        # what the server knows of the engine: facts fixed once the model is loaded
+        model = engine.model
+        self.tokenizer: Optional[Any] = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
+        self.end_ids = frozenset(model.special.end_ids)
+        self.architecture = engine.architecture
+        # the block a block-diffusion model decodes a request that names no block_length with: the
+        # block it was trained with (SDAR's `block_size`), else the official decoders' 32 (LLaDA2's
+        # config names none); None for the other models, whose block follows the canvas
+        self.model_block_length = (model.block_size or DEFAULT_BLOCK_LENGTH) if engine.block_causal else None
+        self.attention_backend = model.attention_backend
+        self.quantization = model.quantization
+        self.quantized_head = model.quantized_head
+        self.max_logprobs = engine.config.max_logprobs
 
-    # ------------------------------------------------------------------ what the server knows of the engine
-
-    @property
-    def tokenizer(self) -> Optional[Any]:
-        return self.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.vocab_size
-
-    @property
-    def end_ids(self) -> frozenset[int]:
-        return frozenset(self.engine.model.special.end_ids)
-
-    @property
-    def architecture(self) -> str:
-        return self.engine.architecture
-
-    @property
-    def model_block_length(self) -> Optional[int]:
-        """The block a block-diffusion model decodes a request that names no block_length with: the
-        block it was trained with (SDAR's `block_size`), else the official decoders' 32 (LLaDA2's
-        config names none); None for the other models, whose block follows the canvas."""
-        if not self.engine.block_causal:
-            return None
-        return getattr(self.engine.model, "block_size", None) or DEFAULT_BLOCK_LENGTH
-
-    @property
-    def attention_backend(self) -> str:
-        return self.engine.model.attention_backend
-
-    @property
-    def quantization(self) -> str:
-        return self.engine.model.quantization
-
-    @property
-    def quantized_head(self) -> bool:
-        return self.engine.model.quantized_head
-
-    @property
-    def max_logprobs(self) -> int:
-        return self.engine.config.max_logprobs
+    # ------------------------------------------------------------------ the engine, from any thread
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
         """RequestError unless the prompt is token ids this model can decode from (any thread)."""

@@ -73,30 +73,9 @@ class ServerSettings:
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}; got {self.log_level!r}")
 
-    # the engine's settings the server reads, by their usual names
-    @property
-    def model(self) -> str:
-        return self.engine.model
-
-    @property
-    def device(self) -> str:
-        return self.engine.device
-
-    @property
-    def dtype(self) -> str:
-        return self.engine.dtype
-
-    @property
-    def max_batch(self) -> int:
-        return self.engine.max_batch
-
-    @property
-    def max_model_len(self) -> Optional[int]:
-        return self.engine.max_model_len
-
     @property
     def model_name(self) -> str:
-        return self.served_model_name or Path(self.model).name
+        return self.served_model_name or Path(self.engine.model).name
 
     def chat_template_text(self) -> Optional[str]:
         """The --chat-template override: a file's contents, or the value itself when it is a

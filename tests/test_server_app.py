@@ -122,13 +122,12 @@ def test_metrics_carry_process_collectors_and_no_energy_without_a_meter(fixtures
 
 
 def test_retry_after_follows_the_queue_and_the_completion_rate():
+    from unittest import mock
+
     from server.engine_loop import RETRY_AFTER_MAX, EngineLoop
     from server.metrics import Metrics
 
-    class Waiting:
-        num_waiting = 9
-
-    loop = EngineLoop(Waiting(), max_queue=10, metrics=Metrics("m"), meter=EnergyMeter())  # type: ignore[arg-type]
+    loop = EngineLoop(mock.MagicMock(num_waiting=9), max_queue=10, metrics=Metrics("m"), meter=EnergyMeter())
     assert loop.retry_after() == 1  # nothing measured yet
     now = time.perf_counter()
     loop._finish_times.extend([now - 10.0 + 0.5 * i for i in range(21)])  # 2 finished a second, lately

@@ -21,10 +21,10 @@ def test_settings_precedence_flags_env_defaults():
            "CAI_DLLM_API_KEY": "k"}
     settings = load_settings({"port": 9100, "max_batch": None}, env)
     assert settings.port == 9100  # the flag wins
-    assert settings.max_batch == 4  # then the environment
+    assert settings.engine.max_batch == 4  # then the environment
     assert settings.default_decoding == {"cache": "dual"} and settings.api_key == "k"
     assert settings.max_queue == 64  # then the default
-    assert load_settings({}, {}).model == str(BUNDLED_MODEL)
+    assert load_settings({}, {}).engine.model == str(BUNDLED_MODEL)
     assert load_settings({}, {}).model_name == "llada-tiny"
 
 
@@ -36,7 +36,7 @@ def test_engine_settings_are_one_engine_config(fixtures):
                              {"CAI_DLLM_DTYPE": "bfloat16", "CAI_DLLM_USE_FLASH_ATTN": "false"})
     assert settings.engine == EngineConfig(model=str(BUNDLED_MODEL), dtype="bfloat16", max_model_len=96,
                                            use_flash_attn=False)
-    assert (settings.max_model_len, settings.dtype, settings.device) == (96, "bfloat16", "cpu")
+    assert (settings.engine.max_model_len, settings.engine.dtype, settings.engine.device) == (96, "bfloat16", "cpu")
     tiny = load_settings({"model": str(fixtures / "llada_tiny"), "max_model_len": 96}, {})
     assert _load_engine(tiny).max_model_len == 96  # --max-model-len reaches the engine
 
@@ -49,9 +49,9 @@ def test_serve_flags_take_their_defaults_from_the_settings():
     args = parser.parse_args(["serve", "--max-num-seqs", "3", "--dtype", "BF16"])
     assert (args.max_batch, args.dtype, args.port, args.model) == (3, "bf16", None, None)  # None: not given
     assert set(setting_names()) >= {"model", "max_batch", "max_model_len", "port", "log_level"}
-    assert setting_default("max_batch") == ServerSettings().max_batch
+    assert setting_default("max_batch") == ServerSettings().engine.max_batch
     assert setting_default("max_queue") == ServerSettings().max_queue
-    assert parser.parse_args(["generate", "--model", "m"]).max_batch == ServerSettings().max_batch
+    assert parser.parse_args(["generate", "--model", "m"]).max_batch == ServerSettings().engine.max_batch
 
 
 @pytest.mark.parametrize("env", [{"CAI_DLLM_PORT": "x"}, {"CAI_DLLM_MAX_BATCH": "0"},
