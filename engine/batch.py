@@ -10,30 +10,31 @@ sample) is computed here from the requests.
 from __future__ import annotations
 
 import array
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
 from engine.request import FORWARD_STORE, Request
 
-# Per-row values sent to the device each step. schedule_step: the row's step counted from its first
-# block's first step, where it reads its tabulated theta_b(t) (decoding.state.DecodeTables).
-# cache_start: a block-diffusion row's cached length (its exact cache holds [0, cache_start)); commits:
-# 0 at its store pass, a forward that writes a finished block into the cache and commits nothing.
+# Per-row values sent to the device each step. cache_start: a block-diffusion row's cached length (its
+# exact cache holds [0, cache_start)); commits: 0 at its store pass, a forward that writes a finished
+# block into the cache and commits nothing.
 STEP_FIELDS = ("slot", "step", "block", "block_start", "quota", "commit_first_only", "block_length", "length",
-               "prompt_len", "schedule_step", "cache_start", "commits")
+               "prompt_len", "cache_start", "commits")
+_ROW_TENSORS = ("slots", *STEP_FIELDS[1:])  # the Batch fields that hold them
 
 
 def _step_fields(request: Request) -> tuple[int, ...]:
     first_only = request.params.commit_first_at_block_start and request.step == 0
     return (request.slot, request.step, request.block, request.block_start, request.rank_quota(), int(first_only),
-            request.block_length, request.length, request.prompt_len,
-            # (a store pass past a row's last block reads the last step's entry, never used)
-            min(request.block * request.steps_per_block + request.step,
-                request.num_blocks * request.steps_per_block - 1),
-            request.cached,
+            request.block_length, request.length, request.prompt_len, request.cached,
             int(request.forward_kind() != FORWARD_STORE))
+
+
+def _slot_range(requests: list[Request]) -> Optional[slice]:
+    first = requests[0].slot
+    return slice(first, first + len(requests)) if all(r.slot == first + b for b, r in enumerate(requests)) else None
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,6 @@ class Batch:
     block_length: torch.Tensor
     length: torch.Tensor  # prompt + canvas
     prompt_len: torch.Tensor
-    schedule_step: torch.Tensor
     cache_start: torch.Tensor
     commits: torch.Tensor
     # host facts of the rows
@@ -72,8 +72,6 @@ class Batch:
         flat = array.array("q", [value for row in rows for value in row])
         fields = torch.frombuffer(flat, dtype=torch.long).view(len(rows), len(STEP_FIELDS))
         columns = dict(zip(STEP_FIELDS, fields.to(device, non_blocking=True).unbind(1), strict=True))
-        first = requests[0].slot
-        consecutive = all(r.slot == first + b for b, r in enumerate(requests))
         return cls(requests=requests, slots=columns.pop("slot"), **columns,
                    width=max(r.block_length for r in requests),
                    policies=frozenset(r.policy for r in requests),
@@ -86,11 +84,15 @@ class Batch:
                    at_block_start=any(r.step == 0 for r in requests),
                    commit_first=any(row[STEP_FIELDS.index("commit_first_only")] for row in rows),
                    edit_fill=any(r.at_step_limit for r in requests),
-                   slot_range=slice(first, first + len(requests)) if consecutive else None)
+                   slot_range=_slot_range(requests))
 
     def rows(self, index: list[int]) -> Batch:
-        """The batch of these rows alone, in this order (one forward's rows)."""
-        return Batch.build([self.requests[b] for b in index], self.slots.device)
+        """These rows alone, in this order: one forward's rows, their per-row tensors gathered (the
+        host facts stay the step's: its widest block is the width of every forward's logits)."""
+        at = torch.tensor(index).to(self.slots.device, non_blocking=True)
+        requests = [self.requests[b] for b in index]
+        gathered = {name: getattr(self, name)[at] for name in _ROW_TENSORS}
+        return replace(self, requests=requests, slot_range=_slot_range(requests), **gathered)
 
     def __len__(self) -> int:
         return len(self.requests)

@@ -43,7 +43,7 @@ class Slots:
     def _grow(self, running: Sequence[Request]) -> None:
         """The one growth rule: the canvas is as wide as the longest canvas plus the widest block (no
         row's block window runs past it) and the store one column wider (a scratch column no row
-        attends); the tables as wide as the widest block and as long as the most steps."""
+        attends); CAI's row state as wide as the widest block."""
         needed = max(r.length for r in running) + max(r.block_length for r in running)
         if needed > self.canvas.shape[1]:
             grown = torch.full((self.canvas.shape[0], needed), self.pad_id, dtype=torch.long, device=self.device)
@@ -52,5 +52,4 @@ class Slots:
         if needed + 1 > self.store.width:
             self.store = self.store.grown(needed + 1)
             self.positions = torch.arange(self.store.width, device=self.device)
-        self.tables.grow(max(r.block_length for r in running),
-                         max(r.num_blocks * r.steps_per_block for r in running))
+        self.tables.grow(max(r.block_length for r in running))

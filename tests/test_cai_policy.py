@@ -86,25 +86,30 @@ def test_position_quarters_scale_with_block_length():
 
 def test_position_factors_and_clipping():
     quarter = t(0, 1, 2, 3, dtype=torch.long)[None]
-    got = P.box6_position_thresholds(t(0.8), P.box6_position_factors(quarter, torch.tensor([True])))[0]
+    on, off = torch.tensor([True]), torch.tensor([False])
+    got = P.box6_position_thresholds(t(0.8), quarter, on)[0]
     assert got.tolist() == pytest.approx([0.64, 0.72, 0.84, 0.88])
-    high = P.box6_position_thresholds(t(0.95), P.box6_position_factors(quarter, torch.tensor([True])))[0]
+    high = P.box6_position_thresholds(t(0.95), quarter, on)[0]
     assert high.tolist() == pytest.approx([0.76, 0.855, 0.98, 0.98])  # 0.9975, 1.045 clipped to 0.98
-    low = P.box6_position_thresholds(t(0.2), P.box6_position_factors(quarter, torch.tensor([True])))[0]
+    low = P.box6_position_thresholds(t(0.2), quarter, on)[0]
     assert low.tolist() == pytest.approx([0.2, 0.2, 0.21, 0.22])  # 0.16, 0.18 clipped up to 0.20
-    off = P.box6_position_thresholds(t(0.95), P.box6_position_factors(quarter, torch.tensor([False])))[0]
-    assert off.tolist() == pytest.approx([0.95] * 4)
+    assert P.box6_position_thresholds(t(0.95), quarter, off)[0].tolist() == pytest.approx([0.95] * 4)
 
 
 def test_budgets_paper_cases():
     # positions 0, 20, 40, 50 in a 64-block, 64 steps; cases evaluated top to bottom
     quarter = P.block_quarter(64, t(64, dtype=torch.long))[:, [0, 20, 40, 50]]
-    tiers = P.budget_tiers(quarter, t(64, dtype=torch.long), torch.tensor([True]))
-    assert P.box5_token_budget(t(0.9, 0.9, 0.9, 0.9)[None], tiers)[0].tolist() == [8, 8, 32, 64]
-    assert P.box5_token_budget(t(0.1, 0.1, 0.1, 0.1)[None], tiers)[0].tolist() == [64, 64, 64, 64]
-    assert P.box5_token_budget(t(0.4, 0.4, 0.4, 0.4)[None], tiers)[0].tolist() == [32, 32, 32, 64]
+
+    def budgets(*first_conf: float, enabled: bool = True) -> list[int]:
+        return P.box5_token_budget(t(*first_conf)[None], quarter, t(64, dtype=torch.long),
+                                   torch.tensor([enabled]))[0].tolist()
+
+    assert budgets(0.9, 0.9, 0.9, 0.9) == [8, 8, 32, 64]
+    assert budgets(0.1, 0.1, 0.1, 0.1) == [64, 64, 64, 64]
+    assert budgets(0.4, 0.4, 0.4, 0.4) == [32, 32, 32, 64]
     # s exactly 0.5 is not > 0.5; s exactly 0.25 is not < 0.25
-    assert P.box5_token_budget(t(0.5, 0.25, 0.51, 0.51)[None], tiers)[0].tolist() == [32, 32, 32, 64]
+    assert budgets(0.5, 0.25, 0.51, 0.51) == [32, 32, 32, 64]
+    assert budgets(0.9, 0.1, 0.4, 0.4, enabled=False) == [P.NEVER] * 4  # gating off: never reached
 
 
 def test_budgets_scale_with_steps_per_block():

@@ -147,13 +147,13 @@ def test_a_slot_range_reads_the_store_as_a_view_and_gaps_gather_the_same_rows(ll
     assert Batch.build(list(engine.scheduler.running), llada_model.device).slot_range is None
 
 
-def test_cai_reads_its_tabulated_schedule_as_cai_step_computes_it(llada_model):
-    """The engine tabulates theta_b(t), the quarters and Box 5's tiers once per request; at any
-    block and step, with any stored s_i and counter, it commits what `cai_step` decides from scratch."""
+def test_the_decide_step_commits_what_cai_step_decides(llada_model):
+    """Through the slot tables and the knob columns, at any block and step, with any stored s_i and
+    counter, the engine's decide step commits what `cai_step` decides from the requests' knobs."""
     from engine.decoding import policies as P
-    from engine.decoding.decide import decide_step
+    from engine.decoding.decide import cai_knobs, decide_step
     from engine.decoding.sampling import confidence, predict
-    from engine.decoding.state import BOOL_KNOBS, FLOAT_KNOBS, INT_KNOBS, DecodeTables, cai_knobs
+    from engine.decoding.state import BOOL_KNOBS, FLOAT_KNOBS, INT_KNOBS, DecodeTables
 
     params = [DecodeParams(policy="cai", gen_length=64, block_length=16, steps=64),
               DecodeParams(policy="cai", gen_length=128, block_length=16, steps=64, gating=True,
@@ -167,7 +167,7 @@ def test_cai_reads_its_tabulated_schedule_as_cai_step_computes_it(llada_model):
         engine.add_request([1 + i, 2, 3], p)
     admitted = engine.scheduler.schedule()
     state = DecodeTables(4, llada_model.device)
-    state.grow(32, max(r.num_blocks * r.steps_per_block for r in admitted))
+    state.grow(32)
     for request in admitted:
         state.write(request)
     requests = engine.scheduler.running
@@ -200,7 +200,6 @@ def test_cai_reads_its_tabulated_schedule_as_cai_step_computes_it(llada_model):
                               P.CaiState(P.box2_first_step_confidence(conf, stored, step), counter), knobs)
         assert torch.equal(new_tokens != block_tokens, expected.commit)
         assert torch.equal(state.low_yield, expected.low_yield)
-        assert rows.schedule_step.tolist() == [r.block * r.steps_per_block + r.step for r in requests]
 
 
 def test_the_mask_token_is_never_predicted():

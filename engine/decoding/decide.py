@@ -53,18 +53,6 @@ class PolicyInputs:
     b: Mapping[str, torch.Tensor]  # boolean knobs by name
     first_conf: torch.Tensor  # [B, W] Box 2's s_i as stored so far
     low_yield: torch.Tensor  # [B]
-    schedule: Optional[CaiSchedule]  # when a row of the step decodes with CAI
-
-
-@dataclass(frozen=True)
-class CaiSchedule:
-    """What CAI reads at a step that depends on a row's request, block and step alone, tabulated
-    when the request takes its slot (decoding.state.DecodeTables) and gathered for the step's rows."""
-
-    theta_block: torch.Tensor  # [B] theta_b(t), Boxes 3-4
-    factors: P.PositionFactors  # Box 6's position factors and clip
-    tiers: P.BudgetTiers  # Box 5's budgets by confidence case (NEVER without budgets)
-    knobs: P.CaiStepKnobs  # what the step reads of the knobs, switches folded in
 
 
 @dataclass
@@ -113,13 +101,23 @@ def decide_sequential(batch: PolicyInputs) -> Decision:
     return Decision(P.commit_best(-position.expand_as(batch.conf), batch.candidates, batch.quota))
 
 
+def cai_knobs(f: Mapping[str, torch.Tensor], i: Mapping[str, torch.Tensor],
+              b: Mapping[str, torch.Tensor]) -> P.CaiKnobs:
+    """CAI's knobs of the rows, from their knob columns by name (decoding.state)."""
+    return P.CaiKnobs(theta_s=f["theta_s"], theta_e=f["theta_e"], warmup=f["warmup"],
+                      block_schedule=b["block_schedule"], block_decay=f["block_decay"], stretch=b["stretch"],
+                      position_factors=b["position_factors"], budgets=b["budgets"], grinding=b["grinding"],
+                      eta=f["eta"], eta_denominator=f["eta_denominator"], patience=i["patience"],
+                      theta_fb=f["theta_fb"], grinding_fill=b["grinding_fill"], min_commit=i["min_commit"])
+
+
 def decide_cai(batch: PolicyInputs) -> Decision:
-    """CAI, Algorithm 1 (policies.cai_step, with its per-request part tabulated: CaiSchedule)."""
-    schedule = batch.schedule
-    assert schedule is not None, "a CAI row's step gathers its schedule (decide_step)"
+    """CAI, Algorithm 1 (policies.cai_step), with Box 2's s_i stored at a block's first step."""
     first_conf = P.box2_first_step_confidence(batch.conf, batch.first_conf, batch.step)
-    out = P.cai_commit(batch.conf, batch.candidates, batch.step, schedule.theta_block, schedule.factors,
-                       schedule.tiers, P.CaiState(first_conf=first_conf, low_yield=batch.low_yield), schedule.knobs)
+    i = batch.i
+    out = P.cai_step(batch.conf, batch.candidates, batch.step, i["steps_per_block"], batch.block, i["num_blocks"],
+                     i["block_length"], P.CaiState(first_conf=first_conf, low_yield=batch.low_yield),
+                     cai_knobs(batch.f, i, batch.b))
     return Decision(out.commit, out.forced, first_conf, out.low_yield, out.grinding_exit)
 
 
@@ -170,8 +168,7 @@ def decide_step(batch: Batch, tables: DecodeTables, logits: torch.Tensor, block_
     cai = "cai" in batch.policies
     inputs = PolicyInputs(conf=conf, candidates=candidates, x0=x0, tokens=block_tokens,
                           editable=~masked & denoising & generated, step=batch.step, block=batch.block,
-                          quota=batch.quota, f=f, i=i, b=rows.b, first_conf=rows.first_conf, low_yield=rows.low_yield,
-                          schedule=tables.cai_schedule(batch, rows) if cai else None)
+                          quota=batch.quota, f=f, i=i, b=rows.b, first_conf=rows.first_conf, low_yield=rows.low_yield)
     commit, forced, grinding, first_conf, low_yield, edit = _dispatch(inputs, batch.policies)
     if batch.edit_fill:  # a block-edit row at its step limit fills its block with tokens (never the mask)
         assert edit_rows is not None

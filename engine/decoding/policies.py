@@ -142,28 +142,14 @@ def block_quarter(width: int, block_length: torch.Tensor) -> torch.Tensor:
     return (p * 4 // block_length[:, None]).clamp(max=3)
 
 
-@dataclass
-class PositionFactors:
-    """Box 6's r_pos(i) of each position of a row's block and the clip of theta_i, fixed per request.
-    Switched off, r_pos is 1 and the clip open, so theta_i is theta_b itself."""
-
-    factor: torch.Tensor  # [B, W] r_pos(i) by the position's quarter
-    low: torch.Tensor  # [B, 1] 0.20 (off: -inf)
-    high: torch.Tensor  # [B, 1] 0.98 (off: +inf)
-
-
-def box6_position_factors(quarter: torch.Tensor, enabled: torch.Tensor) -> PositionFactors:
-    """Box 6's position factors r_pos = 0.80 / 0.90 / 1.05 / 1.10 by quarter and its clip [0.20, 0.98]."""
-    factors = torch.tensor(POSITION_FACTORS, device=quarter.device)[quarter]
-    on = enabled[:, None]
+def box6_position_thresholds(theta_block: torch.Tensor, quarter: torch.Tensor, enabled: torch.Tensor) -> torch.Tensor:
+    """Box 6: theta_i = clip(theta_b * r_pos(i), 0.20, 0.98), r_pos = 0.80 / 0.90 / 1.05 / 1.10 by the
+    position's quarter; theta_b itself where `enabled` is off."""
+    first, second, third, fourth = POSITION_FACTORS
+    r_pos = torch.where(quarter < 2, torch.where(quarter < 1, first, second), torch.where(quarter < 3, third, fourth))
     low, high = TOKEN_THRESHOLD_CLIP
-    return PositionFactors(torch.where(on, factors, 1.0), torch.where(on, low, -math.inf),
-                           torch.where(on, high, math.inf))
-
-
-def box6_position_thresholds(theta_block: torch.Tensor, factors: PositionFactors) -> torch.Tensor:
-    """Box 6: theta_i = clip(theta_b * r_pos(i), 0.20, 0.98); theta_b itself when disabled."""
-    return (theta_block[:, None] * factors.factor).clamp(factors.low, factors.high)
+    theta = theta_block[:, None]
+    return torch.where(enabled[:, None], (theta * r_pos).clamp(low, high), theta)
 
 
 def budget_levels(steps_per_block: torch.Tensor) -> torch.Tensor:
@@ -172,30 +158,17 @@ def budget_levels(steps_per_block: torch.Tensor) -> torch.Tensor:
                         for steps in BUDGET_STEPS], dim=1).clamp(min=1)
 
 
-@dataclass
-class BudgetTiers:
-    """Box 5's budget of each position of a row's block in each confidence case. They depend on the
-    position's quarter and the steps per block alone, so an engine computes them once per request."""
-
-    confident: torch.Tensor  # [B, W] s > 0.5: 8 in the block's first half, 64 in its last quarter, else 32
-    middle: torch.Tensor  # [B, W] 0.25 <= s <= 0.5: 64 in the last quarter, else 32
-    unsure: torch.Tensor  # [B, 1] s < 0.25: 64
-
-
-def budget_tiers(quarter: torch.Tensor, steps_per_block: torch.Tensor, enabled: torch.Tensor) -> BudgetTiers:
-    """Box 5's cases in order (8 if s > 0.5 and p < 32; 64 if s < 0.25 or p >= 48; else 32), split
-    by the confidence case: what is left to decide at a step is which case s_i falls in. A row
-    without budgets (`enabled` False: gating off) gets budgets it never reaches (NEVER)."""
-    levels = torch.where(enabled[:, None], budget_levels(steps_per_block), NEVER)
+def box5_token_budget(first_conf: torch.Tensor, quarter: torch.Tensor, steps_per_block: torch.Tensor,
+                      enabled: torch.Tensor) -> torch.Tensor:
+    """Box 5: B_i = 8 if s_i > 0.5 and p < 32; 64 if s_i < 0.25 or p >= 48; else 32 (the paper's
+    positions and steps for a 64-token block of 64 steps, scaled: `block_quarter`, `budget_levels`).
+    A row without budgets (`enabled` off: gating off) gets budgets it never reaches (NEVER)."""
+    levels = budget_levels(steps_per_block)
     small, mid, big = levels[:, 0:1], levels[:, 1:2], levels[:, 2:3]
     middle = torch.where(quarter >= 3, big, mid)
-    return BudgetTiers(confident=torch.where(quarter < 2, small, middle), middle=middle, unsure=big)
-
-
-def box5_token_budget(first_conf: torch.Tensor, tiers: BudgetTiers) -> torch.Tensor:
-    """Box 5: B_i = 8 if s_i > 0.5 and p < 32; 64 if s_i < 0.25 or p >= 48; else 32 (`budget_tiers`)."""
-    return torch.where(first_conf > CONF_HIGH, tiers.confident,
-                       torch.where(first_conf < CONF_LOW, tiers.unsure, tiers.middle))
+    confident = torch.where(quarter < 2, small, middle)
+    budgets = torch.where(first_conf > CONF_HIGH, confident, torch.where(first_conf < CONF_LOW, big, middle))
+    return torch.where(enabled[:, None], budgets, NEVER)
 
 
 @dataclass
@@ -225,28 +198,6 @@ class CaiKnobs:
     theta_fb: torch.Tensor
     grinding_fill: torch.Tensor
     min_commit: torch.Tensor
-
-
-@dataclass
-class CaiStepKnobs:
-    """What the per-step part of Algorithm 1 (`cai_commit`) reads of a row's knobs [B], with the
-    switches folded into values (`cai_step_knobs`), so a step tests no switch."""
-
-    eta: torch.Tensor  # Box 7's eta_bar
-    eta_denominator: torch.Tensor  # tokens eta is a fraction of
-    patience: torch.Tensor  # Box 7's K; NEVER when the detector is off
-    fallback_floor: torch.Tensor  # a grinding exit commits the tokens above it: theta_fb, -inf with `fill`
-    min_commit: torch.Tensor  # bool: a step that commits nothing commits its best candidate
-    last_step: torch.Tensor  # the block's last step (T - 1), where every token left is committed
-
-
-def cai_step_knobs(knobs: CaiKnobs, steps_per_block: torch.Tensor) -> CaiStepKnobs:
-    """Fold the grinding switches into values: a detector that is off has a patience never reached;
-    `fill` commits every remaining token, as a floor below any confidence."""
-    return CaiStepKnobs(eta=knobs.eta, eta_denominator=knobs.eta_denominator,
-                        patience=torch.where(knobs.grinding, knobs.patience, NEVER),
-                        fallback_floor=torch.where(knobs.grinding_fill, -math.inf, knobs.theta_fb),
-                        min_commit=knobs.min_commit > 0, last_step=steps_per_block - 1)
 
 
 @dataclass
@@ -289,8 +240,7 @@ def box7_grinding_phase_detector(committed: torch.Tensor, low_yield: torch.Tenso
 
 def block_threshold(step: torch.Tensor, steps_per_block: torch.Tensor, block_index: torch.Tensor,
                     num_blocks: torch.Tensor, knobs: CaiKnobs) -> torch.Tensor:
-    """theta_b(t): Box 3's schedule ending at Box 4's theta_e^(b). A function of a row's knobs, block
-    and step alone, so an engine may tabulate it per request for every (block, step)."""
+    """theta_b(t): Box 3's schedule ending at Box 4's theta_e^(b)."""
     theta_end = box4_block_end_threshold(knobs.theta_e, block_index, num_blocks, knobs.block_decay,
                                          knobs.stretch, knobs.block_schedule)
     return box3_adaptive_threshold(step, steps_per_block, knobs.theta_s, theta_end, knobs.warmup)
@@ -300,37 +250,30 @@ def cai_step(conf: torch.Tensor, candidates: torch.Tensor, step: torch.Tensor, s
              block_index: torch.Tensor, num_blocks: torch.Tensor, block_length: torch.Tensor,
              state: CaiState, knobs: CaiKnobs) -> CaiDecision:
     """One step of Algorithm 1 for every row (its lines 10-29); `state.first_conf` is Box 2's s_i."""
-    theta_block = block_threshold(step, steps_per_block, block_index, num_blocks, knobs)
     quarter = block_quarter(conf.shape[1], block_length)
-    return cai_commit(conf, candidates, step, theta_block, box6_position_factors(quarter, knobs.position_factors),
-                      budget_tiers(quarter, steps_per_block, knobs.budgets), state,
-                      cai_step_knobs(knobs, steps_per_block))
-
-
-def cai_commit(conf: torch.Tensor, candidates: torch.Tensor, step: torch.Tensor, theta_block: torch.Tensor,
-               factors: PositionFactors, tiers: BudgetTiers, state: CaiState, knobs: CaiStepKnobs) -> CaiDecision:
-    """`cai_step` given what depends on a row's request, block and step alone (theta_b(t), Box 6's
-    position factors, Box 5's tiers): the part of Algorithm 1 that needs this step's confidences."""
-    thresholds = box6_position_thresholds(theta_block, factors)
-    budgets = box5_token_budget(state.first_conf, tiers)
+    thresholds = box6_position_thresholds(block_threshold(step, steps_per_block, block_index, num_blocks, knobs),
+                                          quarter, knobs.position_factors)
+    budgets = box5_token_budget(state.first_conf, quarter, steps_per_block, knobs.budgets)
     by_threshold, by_budget = box6_position_aware_commit(conf, candidates, thresholds, budgets, step)
     commit = by_threshold | by_budget
 
     # DECISION (a step that commits nothing): with min_commit=1 the best candidate is committed, as
     # in Fast-dLLM, so every forward makes progress; min_commit=0 follows Algorithm 1 literally.
     # (A row without candidates has no best candidate.)
-    nothing = ~commit.any(dim=1) & knobs.min_commit
+    nothing = ~commit.any(dim=1) & (knobs.min_commit > 0)
     commit = commit | (best_candidate(conf, candidates) & nothing[:, None])
 
+    patience = torch.where(knobs.grinding, knobs.patience, NEVER)  # a detector that is off never fires
     low_yield, grinding_exit = box7_grinding_phase_detector(commit.sum(dim=1), state.low_yield, knobs.eta,
-                                                            knobs.eta_denominator, knobs.patience)
+                                                            knobs.eta_denominator, patience)
     remaining = candidates & ~commit
     # DECISION (tokens left at a grinding exit): `continue` commits those above theta_fb and keeps
     # decoding the others, with the counter reset; `fill` ends the block now, committing them all
     # with their current prediction (a floor of -inf).
-    by_grinding = remaining & grinding_exit[:, None] & (conf > knobs.fallback_floor[:, None])
+    floor = torch.where(knobs.grinding_fill, -math.inf, knobs.theta_fb)
+    by_grinding = remaining & grinding_exit[:, None] & (conf > floor[:, None])
     # DECISION (a block never ends with masks): at the block's last step every token still masked
     # is committed with its current prediction.
-    last = step >= knobs.last_step
+    last = step >= steps_per_block - 1
     late = by_grinding | (remaining & last[:, None])
     return CaiDecision(commit | late, by_budget | late, low_yield, grinding_exit, thresholds, budgets)
