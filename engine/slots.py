@@ -1,6 +1,6 @@
 """Slot-indexed device state, in one owner: every running request holds one slot, and row s of each
 buffer here is slot s's. The canvas (prompt and generation of each slot), the KV store (each slot's
-cache) and the decoding tables (knobs, CAI tables and state) are written once when a request is
+cache) and the decoding tables (knobs, CAI state) are written once when a request is
 admitted, grow by one rule, and are read by a step with a few batched index operations whatever
 the number of rows.
 """
@@ -32,7 +32,7 @@ class Slots:
         self.positions = torch.arange(2, device=self.device)  # 0, 1, ... as wide as the store
 
     def admit(self, request: Request, running: Sequence[Request]) -> None:
-        """Write the request's prompt, masks, key mask, knobs and CAI tables into its slot."""
+        """Write the request's prompt, masks, key mask and knobs into its slot."""
         self._grow(running)
         prompt = torch.frombuffer(array.array("q", request.prompt_ids), dtype=torch.long)
         self.canvas[request.slot, :request.prompt_len] = prompt.to(self.device, non_blocking=True)
