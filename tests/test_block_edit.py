@@ -40,7 +40,7 @@ def _inputs(conf, tokens, x0, quota, threshold, editing_threshold, generated=Non
     return PolicyInputs(conf=conf, candidates=candidates, x0=x0, tokens=tokens, editable=~candidates & generated,
                         step=zeros, block=zeros, quota=torch.tensor(quota),
                         f={"threshold": torch.tensor(threshold), "editing_threshold": torch.tensor(editing_threshold)},
-                        i={}, b={}, first_conf=torch.zeros_like(conf), low_yield=zeros, schedule=None)
+                        i={}, b={}, first_conf=torch.zeros_like(conf), low_yield=zeros)
 
 
 def test_one_forward_commits_masks_and_edits_tokens_together():
