@@ -32,7 +32,7 @@ import torch
 from engine.models.kv_cache import CacheWrite, KVStore
 from engine.models.layers import Positions
 from engine.models.moe import MOE_KERNELS, GroupedExperts, grouped_mm_available
-from engine.models.transformer import DiffusionTransformer, _check_ids
+from engine.models.transformer import DiffusionTransformer, check_input_ids
 
 BlockMask = Literal["block_causal", "additive_01"]
 
@@ -114,6 +114,6 @@ class BlockDiffusionTransformer(DiffusionTransformer):
 
 
 def _check_block(input_ids: torch.Tensor, block_size: int) -> None:
-    _check_ids(input_ids)
+    check_input_ids(input_ids)
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")

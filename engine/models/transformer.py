@@ -115,7 +115,7 @@ class DiffusionTransformer(nn.Module):
         `attention_mask`.
         If `hidden_states_out` is a list, the input of every layer and the normed final state are
         appended to it (Hugging Face's `output_hidden_states` order)."""
-        _check_ids(input_ids)
+        check_input_ids(input_ids)
         key_mask = None
         if cache is not None and cache.attend_to_cache:
             if attention_mask is not None:
@@ -157,6 +157,6 @@ class DiffusionTransformer(nn.Module):
         return self.lm_head.forward(x)
 
 
-def _check_ids(input_ids: torch.Tensor) -> None:
+def check_input_ids(input_ids: torch.Tensor) -> None:
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
