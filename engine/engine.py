@@ -27,7 +27,7 @@ from engine.batch import Batch
 from engine.config import EngineConfig
 from engine.cpus import default_threads
 from engine.decoding.decide import decide_step
-from engine.decoding.params import EDIT_POLICIES, DecodeParamError, DecodeParams, resolve_defaults
+from engine.decoding.params import DEFAULT_BLOCK_LENGTH, EDIT_POLICIES, DecodeParamError, DecodeParams, resolve_defaults
 from engine.decoding.types import GenerationResult
 from engine.dual_graphs import DualStepGraphs
 from engine.errors import CheckpointError, RequestError
@@ -92,12 +92,19 @@ class Engine:
     def architecture(self) -> str:
         return self.model.config.architecture
 
+    @property
+    def model_block_length(self) -> Optional[int]:
+        """The block a block-diffusion model decodes a request that names none with: the block it was
+        trained with (SDAR's `block_size`), else the official decoders' 32 (LLaDA2's config names
+        none); None for masked-diffusion models, whose default block follows the canvas (DecodeParams)."""
+        return (self.model.block_size or DEFAULT_BLOCK_LENGTH) if self.block_causal else None
+
     def default_params(self, params: Optional[DecodeParams] = None) -> DecodeParams:
         """`params` (or the defaults) with this model's defaults filled in."""
         params = params or DecodeParams()
-        trained = self.model.block_size
-        if self.block_causal and params.block_length is None and trained and params.gen_length % trained == 0:
-            params = params.with_overrides(block_length=trained)  # the block the checkpoint was trained with
+        block = self.model_block_length
+        if block is not None and params.block_length is None and params.gen_length % block == 0:
+            params = params.with_overrides(block_length=block)
         return resolve_defaults(params, self.architecture)
 
     # ------------------------------------------------------------------ the step API

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from engine import DecodeParams, Engine, GenerationResult, StepOutput
-from engine.decoding.params import DEFAULT_BLOCK_LENGTH
 from engine.decoding.types import TokenLogprob
 from server.energy import EnergyMeter, share_energy
 from server.errors import QueueFull
@@ -97,10 +96,7 @@ class EngineLoop:
         self.vocab_size = engine.vocab_size
         self.end_ids = frozenset(model.special.end_ids)
         self.architecture = engine.architecture
-        # the block a block-diffusion model decodes a request that names no block_length with: the
-        # block it was trained with (SDAR's `block_size`), else the official decoders' 32 (LLaDA2's
-        # config names none); None for the other models, whose block follows the canvas
-        self.model_block_length = (model.block_size or DEFAULT_BLOCK_LENGTH) if engine.block_causal else None
+        self.model_block_length = engine.model_block_length
         self.attention_backend = model.attention_backend
         self.quantization = model.quantization
         self.quantized_head = model.quantized_head
