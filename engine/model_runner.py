@@ -48,9 +48,9 @@ def forward_group(request: Request) -> tuple:
 
 def fed_tokens(request: Request, shift: int) -> int:
     """Tokens the row feeds the model this step (`shift`: Dream's position before the block)."""
-    kind = request.forward_kind()
     if request.block_causal:
         return block_runner.fed_length(request)
+    kind = request.forward_kind()
     if kind == FORWARD_FULL:
         return request.length * (2 if request.params.cfg_scale > 0 else 1)
     if kind == FORWARD_DUAL:

@@ -58,3 +58,10 @@ def llada2_dir(tmp_path_factory) -> Path:
 
     return write_llada2(tmp_path_factory.mktemp("llada2") / "llada2-random",
                         FIXTURES / "block" / "llada2" / "llada2_tiny" / "config.json")
+
+
+def generate(model, prompts, params=None, max_batch=8):  # type: ignore[no-untyped-def]
+    """Decode `prompts` with a fresh engine over `model` (no request shares a step with another test's)."""
+    from engine import Engine
+
+    return Engine.from_model(model, max_batch=max_batch).generate(prompts, params)

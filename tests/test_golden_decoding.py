@@ -10,9 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES
+from conftest import FIXTURES, generate
 
-from engine import Engine
 from engine.decoding import DecodeParams
 
 NOT_REPRODUCED = {
@@ -24,11 +23,6 @@ NOT_REPRODUCED = {
 }
 
 _CACHE = {"nocache": "none", "prefixcache": "prefix", "dualcache": "dual"}
-
-
-def generate(model, prompts, params=None, max_batch=8):  # type: ignore[no-untyped-def]
-    """Decode `prompts` with a fresh engine over `model` (no request shares a step with another test's)."""
-    return Engine.from_model(model, max_batch=max_batch).generate(prompts, params)
 
 
 

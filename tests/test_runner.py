@@ -7,16 +7,11 @@ import shutil
 
 import pytest
 import torch
+from conftest import generate
 
 from engine import Engine, RequestError, load_model
 from engine.decoding import DecodeParamError, DecodeParams
 from engine.models.kv_cache import write_kv
-
-
-def generate(model, prompts, params=None, max_batch=8):  # type: ignore[no-untyped-def]
-    """Decode `prompts` with a fresh engine over `model` (no request shares a step with another test's)."""
-    return Engine.from_model(model, max_batch=max_batch).generate(prompts, params)
-
 
 
 def _prompts(n: int = 8, seed: int = 0) -> list[list[int]]:
