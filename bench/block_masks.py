@@ -2,7 +2,7 @@
 fixture checkpoint (random weights, float32): what the mask changes in the logits, and in the
 decoded tokens and forwards. Accuracy only: nothing here is timed.
 
-    PYTHONPATH=$PWD python bench/block_masks.py --fixtures ../shared/fixtures \
+    PYTHONPATH=$PWD python bench/block_masks.py --fixtures tests/fixtures \
         > bench/results/block_masks_llada2_tiny_cpu.txt
 
 1. Logits: every forward of the official LLaDA2.1 golden runs (`v21p`, their recorded window inputs)
@@ -73,7 +73,7 @@ def _params(settings: dict, official: bool) -> DecodeParams:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--fixtures", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "fixtures")
+    parser.add_argument("--fixtures", type=Path, default=Path(__file__).resolve().parents[1] / "tests" / "fixtures")
     args = parser.parse_args()
     family = args.fixtures.resolve() / "block" / "llada2"
     runs = {p.stem: json.loads(p.read_text()) for p in sorted((family / "golden").glob("*.json"))}

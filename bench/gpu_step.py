@@ -2,7 +2,7 @@
 roofline floor.
 
 The models have the real architectures (parsed from the released `config.json` files in
-`shared/fixtures/real/`) with random weights created directly on the device, so no checkpoint is
+`tests/fixtures/real/`) with random weights created directly on the device, so no checkpoint is
 needed. For each model, batch size and cache mode the engine's own step is driven (prompt 512 +
 256 generated, block 32, the fixed policy committing one token per step, so a block lasts 32
 steps) and two kinds of step are timed after a warm-up:
@@ -52,8 +52,8 @@ from block_step import BLOCK_MODELS, run_block_model
 from random_models import build_random
 from roofline import CACHED, FULL, ModelDims, measure_rates, step_bytes, step_flops, step_shape, sync
 
-# The shared fixtures beside the repository, or where CAI_DLLM_FIXTURES says (as for the tests).
-FIXTURES = Path(os.environ.get("CAI_DLLM_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
+# The repository's fixtures (tests/fixtures), or where CAI_DLLM_FIXTURES says (as for the tests).
+FIXTURES = Path(os.environ.get("CAI_DLLM_FIXTURES", Path(__file__).resolve().parents[1] / "tests" / "fixtures"))
 REAL_DIR = FIXTURES / "real"
 MODELS = {"llada": "llada-8b-instruct", "dream": "dream-v0-instruct-7b"}
 # Tiny shapes keep each family's real config (vocabulary and special ids included, so the engine sees

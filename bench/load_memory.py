@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 from safetensors.torch import save_file
 
-FIXTURES = Path(os.environ.get("CAI_DLLM_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
+FIXTURES = Path(os.environ.get("CAI_DLLM_FIXTURES", Path(__file__).resolve().parents[1] / "tests" / "fixtures"))
 GB, GiB = 1e9, 2**30
 MODES = ("bf16", "naive", "int8", "int4")
 

@@ -39,7 +39,7 @@ from engine.models.llada import LLaDAModel
 from engine.special_tokens import SpecialTokens
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = REPO.parent / "shared" / "fixtures"
+FIXTURES = REPO / "tests" / "fixtures"
 
 
 def random_llada(d_model: int, layers: int, heads: int, mlp: int, vocab: int) -> LLaDAModel:

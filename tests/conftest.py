@@ -1,4 +1,6 @@
-"""Shared test fixtures. The parity data lives in ../shared/fixtures (read-only, beside the repo)."""
+"""Shared test fixtures. The parity data (tiny official-format checkpoints, official logits, golden
+decoding runs, released configs and tokenizers) lives in tests/fixtures; CAI_DLLM_FIXTURES points the
+tests at another set of the same layout (e.g. a held-out one)."""
 
 from __future__ import annotations
 
@@ -9,11 +11,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = Path(os.environ.get("CAI_DLLM_FIXTURES", REPO.parent / "shared" / "fixtures")).resolve()
+FIXTURES = Path(os.environ.get("CAI_DLLM_FIXTURES", REPO / "tests" / "fixtures")).resolve()
 
 if not (FIXTURES / "README.md").is_file():
-    raise RuntimeError(f"parity fixtures not found at {FIXTURES}; put ../shared beside the repository "
-                       "or set CAI_DLLM_FIXTURES")
+    raise RuntimeError(f"parity fixtures not found at {FIXTURES} (CAI_DLLM_FIXTURES): it must hold the layout "
+                       "of tests/fixtures")
 
 
 @pytest.fixture(scope="session")

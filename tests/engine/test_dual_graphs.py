@@ -1,0 +1,109 @@
+"""The dual-cache step on static, slot-indexed buffers (engine.dual_graphs): the forward that CUDA
+graphs capture. On CPU it runs eagerly and must decode exactly what the ordinary cached forward
+decodes; on a CUDA machine the captured graphs must too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import DecodeParams, Engine, EngineConfig, load_model
+from engine.batch import Batch
+from engine.chat import chat_prompt_ids
+from engine.dual_graphs import DualStepGraphs, batch_buckets
+from engine.loading.tokenizer import load_tokenizer
+from tinymodels.evaluate import held_out_problems
+
+MODELS = Path(__file__).resolve().parents[2] / "models"
+
+
+def test_batch_buckets_cover_every_batch_size():
+    assert batch_buckets(1) == (1,)
+    assert batch_buckets(8) == (1, 2, 4, 8)
+    assert batch_buckets(6) == (1, 2, 4, 6)
+    assert batch_buckets(20) == (1, 2, 4, 8, 16, 20)
+    for max_batch in range(1, 40):
+        buckets = batch_buckets(max_batch)
+        assert buckets[-1] == max_batch and list(buckets) == sorted(set(buckets))
+
+
+def test_capture_needs_cuda(llada_model):
+    with pytest.raises(ValueError, match="CUDA"):
+        DualStepGraphs(llada_model, 4, capture=True)
+    with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device"):
+        EngineConfig(model="x", cuda_graphs=True)
+
+
+def _params(i: int) -> DecodeParams:
+    """CAI (rows start blocks at different steps, so dual and full forwards share a step), the fixed
+    schedule (long runs of dual steps, with refreshes) and Fast-dLLM's threshold, two block lengths."""
+    policy = ("cai", "fixed", "threshold")[i % 3]
+    return DecodeParams(policy=policy, gen_length=64, block_length=16 if i % 4 else 32, steps=32, cache="dual",
+                        refresh_interval=8 if i % 2 else 0)
+
+
+def _decode(engine: Engine, prompts: list[list[int]]) -> list[tuple[int, ...]]:
+    results = engine.generate(prompts, [_params(i) for i in range(len(prompts))])
+    return [tuple(r.generated_ids) for r in results]
+
+
+@pytest.mark.parametrize("name", ["llada-tiny", "dream-tiny"])
+def test_static_dual_forward_decodes_what_the_cached_forward_decodes(name):
+    """Held-out prompts of different lengths (the store grows while rows run, so the static buffers
+    are made anew), more requests than rows (rows join in freed slots, out of order), and every step
+    kind: the same tokens, step by step, as the engine's ordinary dual-cache forward."""
+    model, tokenizer = load_model(MODELS / name), load_tokenizer(MODELS / name)
+    problems = held_out_problems(20, 1)
+    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": p.prompt}]) for p in problems]
+    prompts.sort(key=len)  # longer prompts arrive later: the store grows mid-run
+    ordinary = _decode(Engine.from_model(model, max_batch=6), prompts)
+    engine = Engine.from_model(model, max_batch=6)
+    static = DualStepGraphs(model, 6, capture=False)
+    engine.runner.dual_graphs = static
+    assert _decode(engine, prompts) == ordinary
+    assert static._forwards, "the static forward ran"
+    assert static.captured == 0
+
+
+def test_static_dual_forward_leaves_other_slots_caches_alone(llada_model):
+    """A static forward over slots [0, bucket) in which only slot 2 takes part changes no key or value
+    of another slot but in the scratch column, and slot 2's only at its block and that column."""
+    engine = Engine.from_model(llada_model, max_batch=4)
+    static = DualStepGraphs(llada_model, 4, capture=False)
+    engine.runner.dual_graphs = static
+    params = DecodeParams(policy="fixed", gen_length=16, block_length=8, steps=16, cache="dual")
+    for prompt in ([5, 6, 7], [8, 9], [10, 11, 12, 13]):
+        engine.add_request(prompt, params)
+    engine.step()  # every row's full forward: the store holds their caches
+    runner = engine.runner
+    row = engine.scheduler.running[2]
+    assert row.slot == 2
+    block = slice(row.block_start, row.block_start + row.block_length)
+    for keys in engine.slots.store.keys:
+        keys[2, :, block] = 0  # so that the dual forward's writes show
+    before = [k.clone() for k in engine.slots.store.keys]
+    row.step = 1  # a dual step of slot 2 alone
+    inputs = runner.run(Batch.build([row], llada_model.device))
+    assert inputs.logits.shape[0] == 1
+    scratch = engine.slots.store.width - 1
+    assert not engine.slots.store.key_mask[:, scratch].any(), "no row attends the scratch column"
+    for old, new in zip(before, engine.slots.store.keys, strict=True):
+        assert torch.equal(old[[0, 1, 3], :, :scratch], new[[0, 1, 3], :, :scratch])
+        untouched = torch.ones(scratch, dtype=torch.bool)
+        untouched[block] = False
+        assert torch.equal(old[2][:, :scratch][:, untouched], new[2][:, :scratch][:, untouched])
+        assert (new[2][:, block] != 0).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graphs_decode_what_the_eager_engine_decodes():
+    model = load_model(MODELS / "llada-tiny", device="cuda")
+    tokenizer = load_tokenizer(MODELS / "llada-tiny")
+    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": p.prompt}]) for p in held_out_problems(12, 2)]
+    prompts.sort(key=len)
+    eager = _decode(Engine.from_model(model, max_batch=4), prompts)
+    engine = Engine.from_model(model, max_batch=4, cuda_graphs=True)
+    assert _decode(engine, prompts) == eager
+    assert engine.runner.dual_graphs is not None and engine.runner.dual_graphs.captured > 0

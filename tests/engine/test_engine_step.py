@@ -1,0 +1,268 @@
+"""The step API (`Engine.add_request / step / abort / has_unfinished`): one host read per step,
+per-step deltas, and the output path fed by them (streamed text identical to the whole response)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import DecodeParams, Engine, load_model
+from engine.batch import Batch
+from engine.chat import chat_prompt_ids
+from engine.decoding.decide import POLICIES
+from engine.decoding.params import EDIT_POLICIES
+from engine.host_reads import count_host_reads
+from server.output import ChoiceOutput
+from tinymodels.evaluate import held_out_problems
+
+# block-edit (LLaDA2.1's decoder) is for block-diffusion models only (the block tests below run it)
+ALL_POLICIES = sorted(p for p in POLICIES if p not in EDIT_POLICIES)
+# the output path does not depend on the policy's rule: the masked-diffusion decoders cover it (the
+# block decoders' rules are the rank and threshold rules again; tests/test_block_engine.py runs them)
+STREAMED_POLICIES = [p for p in ALL_POLICIES if not p.startswith("block-")]
+
+
+@pytest.fixture(scope="module")
+def tiny_engine_parts():
+    from engine.loading.tokenizer import load_tokenizer
+
+    path = Path(__file__).resolve().parents[2] / "models" / "llada-tiny"
+    return load_model(path), load_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def held_out_prompts(tiny_engine_parts):
+    _, tokenizer = tiny_engine_parts
+    return [chat_prompt_ids(tokenizer, [{"role": "user", "content": p.prompt}]) for p in held_out_problems(100, 0)]
+
+
+def _mixed_params(i: int, cache: str) -> DecodeParams:
+    """Every policy, sampling, top-k/top-p and guidance somewhere in the batch."""
+    policy = ALL_POLICIES[i % len(ALL_POLICIES)]
+    return DecodeParams(policy=policy, gen_length=32, block_length=8 if i % 2 else 16, cache=cache,
+                        early_exit=i % 3 != 0, temperature=0.7 if i == 3 else 0.0, seed=i,
+                        top_k=5 if i == 2 else None, top_p=0.9 if i == 4 else None,
+                        cfg_scale=1.0 if i == 5 and cache == "none" else 0.0)
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_one_host_read_per_step_whatever_the_batch(llada_model, dream_model, cache):
+    for model in (llada_model, dream_model):
+        engine = Engine.from_model(model, max_batch=8)
+        for i in range(11):  # more than a batch: rows join while others run
+            engine.add_request([1 + i, 2, 3, 4][: 2 + i % 3], _mixed_params(i, cache))
+        steps = 0
+        while engine.has_unfinished():
+            with count_host_reads() as reads:
+                outputs = engine.step()
+            assert reads.count == 1, reads.by_method
+            assert outputs
+            steps += 1
+        assert steps > 1
+
+
+BLOCK_POLICIES = ["block-dynamic", "block-edit", "block-sequential", "block-static", "cai", "fixed", "threshold"]
+
+
+def _block_checkpoints(fixtures, tmp_path) -> list[Path]:
+    """The block fixtures' checkpoints; a config without a mask id (LLaDA2's: `generate()` takes it
+    as an argument) gets the one its golden runs use, and its pad id as eos."""
+    import json
+
+    found = []
+    for config_file in sorted(fixtures.glob("block/*/*/config.json")):
+        config = json.loads(config_file.read_text())
+        if "mask_token_id" not in config:
+            golden = sorted(config_file.parents[1].glob("golden/*.json"))
+            config.update(mask_token_id=json.loads(golden[0].read_text())["settings"]["mask_id"],
+                          eos_token_id=config["pad_token_id"])
+            dest = tmp_path / config_file.parent.name
+            dest.mkdir()
+            (dest / "config.json").write_text(json.dumps(config))
+            for weights in config_file.parent.glob("*.safetensors"):
+                (dest / weights.name).symlink_to(weights)
+            found.append(dest)
+        else:
+            found.append(config_file.parent)
+    return found
+
+
+def test_one_host_read_per_step_on_block_diffusion_models(fixtures, tmp_path, monkeypatch):
+    """Rows at different blocks, block sizes, prompt tails, store passes, caches, masks and policies share steps
+    with one host read a step, not counting the reads inside a forward (LLaDA2's plain MoE kernel
+    reads its experts' token counts: a model-internal sync, see engine/models/moe.py)."""
+    for checkpoint in _block_checkpoints(fixtures, tmp_path):
+        model = load_model(checkpoint)
+        current: dict = {"internal": 0}
+        original = model.run_layers
+
+        def run(*args, original=original, current=current, **kwargs):
+            before = current["reads"].count
+            out = original(*args, **kwargs)
+            current["internal"] += current["reads"].count - before
+            return out
+
+        monkeypatch.setattr(model, "run_layers", run)
+        engine = Engine.from_model(model, max_batch=4)
+        for i in range(9):  # more than a batch: rows join while others run
+            params = DecodeParams(policy=BLOCK_POLICIES[i % len(BLOCK_POLICIES)], gen_length=16,
+                                  block_length=4 if i % 2 else 8, store_pass=i % 3 == 0, ignore_eos=i % 4 == 0,
+                                  temperature=0.7 if i == 5 else 0.0, seed=i, threshold=0.5,
+                                  cache="none" if i % 3 == 1 else None,  # window forwards, with either mask
+                                  block_attention="additive_01" if i % 6 == 1 else "block_causal")
+            engine.add_request([1 + i, 2, 3, 4, 5, 6][: 2 + i % 5], params)
+        steps = 0
+        while engine.has_unfinished():
+            with count_host_reads() as reads:
+                current.update(reads=reads, internal=0)
+                outputs = engine.step()
+            assert reads.count - current["internal"] == 1, reads.by_method
+            assert outputs
+            steps += 1
+        assert steps > 1
+
+
+def test_a_slot_range_reads_the_store_as_a_view_and_gaps_gather_the_same_rows(llada_model):
+    """Rows of consecutive slots attend over a view of the KV store; the same rows read out of the
+    store by slot index (a batch with gaps) give the same logits, step after step."""
+    import dataclasses
+
+    engine = Engine.from_model(llada_model, max_batch=6)  # two slots stay free
+    for i in range(4):  # the fixed schedule: one token a step, dual-cache steps after each block's first
+        engine.add_request([1 + i, 2, 3], DecodeParams(policy="fixed", gen_length=16, block_length=8, steps=16,
+                                                       cache="dual"))
+    engine.step()  # the full forwards fill the rows' caches
+    for _ in range(3):
+        batch = Batch.build(list(engine.scheduler.running), llada_model.device)
+        assert batch.slot_range == slice(0, 4)
+        assert {r.forward_kind() for r in batch.requests} == {"dual"}
+        viewed = engine.runner.run(batch).logits
+        gathered = engine.runner.run(dataclasses.replace(batch, slot_range=None)).logits
+        assert torch.equal(viewed, gathered)
+        engine.step()
+    engine.abort(engine.scheduler.running[1].request_id)
+    engine.step()
+    assert Batch.build(list(engine.scheduler.running), llada_model.device).slot_range is None
+
+
+def test_the_decide_step_commits_what_cai_step_decides(llada_model):
+    """Through the slot tables and the knob columns, at any block and step, with any stored s_i and
+    counter, the engine's decide step commits what `cai_step` decides from the requests' knobs."""
+    from engine.decoding import policies as P
+    from engine.decoding.decide import cai_knobs, decide_step
+    from engine.decoding.sampling import confidence, predict
+    from engine.decoding.state import BOOL_KNOBS, FLOAT_KNOBS, INT_KNOBS, DecodeTables
+
+    params = [DecodeParams(policy="cai", gen_length=64, block_length=16, steps=64),
+              DecodeParams(policy="cai", gen_length=128, block_length=16, steps=64, gating=True,
+                           block_schedule_mode="stretch"),
+              DecodeParams(policy="cai", gen_length=32, block_length=32, steps=32, position_factors=False,
+                           theta_s=0.95),
+              DecodeParams(policy="cai", gen_length=64, block_length=8, steps=32, gating=True, warmup=0.5,
+                           theta_e=0.3)]
+    engine = Engine.from_model(llada_model, max_batch=4)
+    for i, p in enumerate(params):
+        engine.add_request([1 + i, 2, 3], p)
+    admitted = engine.scheduler.schedule()
+    state = DecodeTables(4, llada_model.device)
+    state.grow(32)
+    for request in admitted:
+        state.write(request)
+    requests = engine.scheduler.running
+    width, mask_id = 32, llada_model.special.mask_id
+    lengths = torch.tensor([r.block_length for r in requests])
+    in_block = torch.arange(width)[None, :] < lengths[:, None]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        for r in requests:
+            r.block = int(torch.randint(r.num_blocks, (1,), generator=generator))
+            r.step = int(torch.randint(r.steps_per_block, (1,), generator=generator))
+        rows = Batch.build(list(requests), llada_model.device)
+        logits = torch.randn(4, width, llada_model.config.vocab_size, generator=generator) * 3
+        done = torch.rand(4, width, generator=generator) < 0.3
+        block_tokens = torch.where(done, 5, mask_id)
+        state.first_conf[:, :width] = torch.rand(4, width, generator=generator)
+        state.low_yield[:] = torch.randint(0, 3, (4,), generator=generator)
+        stored, counter = state.first_conf[:, :width].clone(), state.low_yield.clone()
+        new_tokens, _ = decide_step(rows, state, logits, block_tokens, in_block, mask_id,
+                                    torch.tensor(llada_model.special.end_ids))
+
+        x0 = predict(logits, [], mask_id)
+        conf = confidence(logits, x0, torch.zeros(4, dtype=torch.long), {0})
+        candidates = (block_tokens == mask_id) & in_block
+        step, block = rows.step, rows.block
+        i = dict(zip(INT_KNOBS, state.knobs_i.unbind(1), strict=True))
+        knobs = cai_knobs(dict(zip(FLOAT_KNOBS, state.knobs_f.unbind(1), strict=True)), i,
+                          dict(zip(BOOL_KNOBS, state.knobs_b.unbind(1), strict=True)))
+        expected = P.cai_step(conf, candidates, step, i["steps_per_block"], block, i["num_blocks"], i["block_length"],
+                              P.CaiState(P.box2_first_step_confidence(conf, stored, step), counter), knobs)
+        assert torch.equal(new_tokens != block_tokens, expected.commit)
+        assert torch.equal(state.low_yield, expected.low_yield)
+
+
+def test_the_mask_token_is_never_predicted():
+    from engine.decoding.sampling import predict
+
+    logits = torch.tensor([[[0.0, 5.0, 1.0, 2.0], [3.0, 0.0, 1.0, 2.0]]])
+    assert predict(logits, [], mask_id=1).tolist() == [[3, 0]]
+    generator = torch.Generator().manual_seed(0)
+    hot = logits[:, :1].expand(1, 64, 4).contiguous()  # the mask leads at every position
+    assert 1 not in predict(hot, [(0, generator, 5.0)], mask_id=1).flatten().tolist()
+
+
+def test_step_outputs_carry_deltas_work_and_the_result(llada_model):
+    engine = Engine.from_model(llada_model, max_batch=4)
+    ids = [engine.add_request([5, 6, 7], DecodeParams(policy=p, gen_length=16, block_length=8, cache="dual"))
+           for p in ("cai", "fixed", "threshold")]
+    streams: dict[str, list[int]] = {i: [] for i in ids}
+    results = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            assert output.fed_tokens > 0 and output.committed >= 0
+            streams[output.request_id].extend(output.new_token_ids)
+            if output.finished:
+                assert output.request_id not in results and output.finish_reason in ("stop", "length")
+                results[output.request_id] = output.result
+    assert set(results) == set(ids)
+    for request_id, result in results.items():
+        end = result.end_index
+        assert streams[request_id] == (result.generated_ids if end is None else result.generated_ids[:end + 1])
+        assert sum(result.stats.tokens_per_step) <= 16
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_batch", [1, 8])
+@pytest.mark.parametrize("policy", STREAMED_POLICIES)
+def test_streamed_text_equals_the_whole_response(tiny_engine_parts, held_out_prompts, policy, max_batch):
+    """100 held-out prompts: the text a stream sends (the output path fed each step's delta, with a
+    stop string that can straddle deltas) equals the whole response (fed everything at once) and
+    the offline text."""
+    model, tokenizer = tiny_engine_parts
+    engine = Engine.from_model(model, tokenizer, max_batch=max_batch)
+    params = DecodeParams(policy=policy, gen_length=32, block_length=32, steps=16, cache="dual")
+    end_ids = set(model.special.end_ids)
+    streamed: dict[str, ChoiceOutput] = {}
+    sent: dict[str, str] = {}
+    results = {}
+    for i, prompt in enumerate(held_out_prompts):
+        request_id = engine.add_request(prompt, params, f"p{i}")
+        streamed[request_id] = ChoiceOutput(i, request_id, prompt, tokenizer, end_ids, stops=[";="])
+        sent[request_id] = ""
+    while engine.has_unfinished():
+        for output in engine.step():
+            choice = streamed[output.request_id]
+            choice.add(output.new_token_ids)
+            if output.finished:
+                choice.finish(output.result)
+                results[output.request_id] = output.result
+            sent[output.request_id] += choice.take()
+    for request_id, result in results.items():
+        whole = ChoiceOutput(0, request_id, [], tokenizer, end_ids, stops=[";="])
+        whole.add(result.generated_ids)
+        whole.finish(result)
+        assert sent[request_id] == whole.text == whole.take()
+        assert streamed[request_id].finish_reason == whole.finish_reason
+        text = tokenizer.decode(result.response_ids, skip_special_tokens=True)  # the offline text
+        assert text.startswith(whole.text) and (whole.stopped_by_string or text == whole.text)
