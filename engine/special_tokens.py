@@ -9,6 +9,9 @@ Sources, in order of precedence:
   (`<|eot_id|>` for LLaDA, `<|im_end|>` for Dream), found by rendering the template;
 - pad: `config.json`, then `generation_config.json`, then the tokenizer's `pad_token`, else eos;
 - bos: `generation_config.json`, then `config.json`, else none.
+A multimodal config (DiffusionGemma) keeps its text model's ids under `text_config`: they count as
+`config.json`'s where the top level names none. A uniform-noise model (DiffusionGemma) has no mask
+token: its `mask_id` is None.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ _PROBE_REPLY = "cai_dllm_probe_reply"
 
 @dataclass(frozen=True)
 class SpecialTokens:
-    mask_id: int
+    mask_id: Optional[int]  # None: a model without a mask token (DiffusionGemma)
     eos_ids: tuple[int, ...]
     pad_id: int
     bos_id: Optional[int] = None
@@ -102,7 +105,11 @@ def _as_id_tuple(value: Any) -> tuple[int, ...]:
 
 def special_tokens_from_files(config: dict[str, Any], generation_config: Optional[dict[str, Any]],
                               tokenizer_config: Optional[dict[str, Any]],
-                              added_tokens: Optional[dict[str, int]] = None) -> SpecialTokens:
+                              added_tokens: Optional[dict[str, int]] = None,
+                              needs_mask: bool = True) -> SpecialTokens:
+    text = config.get("text_config")
+    if isinstance(text, dict):
+        config = {**text, **{k: v for k, v in config.items() if v is not None}}
     gen = generation_config or {}
     tok = tokenizer_config or {}
     added = added_token_ids(tok, added_tokens)
@@ -110,7 +117,7 @@ def special_tokens_from_files(config: dict[str, Any], generation_config: Optiona
 
     mask_id = _first(config.get("mask_token_id"), gen.get("mask_token_id"),
                      _tokenizer_id(tok, "mask_token", added))
-    if mask_id is None:
+    if mask_id is None and needs_mask:
         raise CheckpointError("no mask token id: config.json has no mask_token_id and the tokenizer "
                               "config names no mask_token; a masked diffusion model needs one")
     eos_ids = (_as_id_tuple(gen.get("eos_token_id")) or _as_id_tuple(config.get("eos_token_id"))
@@ -120,6 +127,6 @@ def special_tokens_from_files(config: dict[str, Any], generation_config: Optiona
     pad_id = _first(config.get("pad_token_id"), gen.get("pad_token_id"),
                     _tokenizer_id(tok, "pad_token", added), eos_ids[0])
     bos_id = _first(gen.get("bos_token_id"), config.get("bos_token_id"))
-    return SpecialTokens(mask_id=int(mask_id), eos_ids=eos_ids, pad_id=int(pad_id),
+    return SpecialTokens(mask_id=None if mask_id is None else int(mask_id), eos_ids=eos_ids, pad_id=int(pad_id),
                          bos_id=None if bos_id is None else int(bos_id),
                          eot_id=end_of_turn_id(tok, special_added))

@@ -53,9 +53,9 @@ class CheckpointFiles:
             added_tokens={k: int(v) for k, v in added.items()} if added else None,
         )
 
-    def special_tokens(self) -> SpecialTokens:
+    def special_tokens(self, needs_mask: bool = True) -> SpecialTokens:
         return special_tokens_from_files(self.config, self.generation_config, self.tokenizer_config,
-                                         self.added_tokens)
+                                         self.added_tokens, needs_mask=needs_mask)
 
     @property
     def has_chat_template(self) -> bool:
