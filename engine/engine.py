@@ -68,6 +68,9 @@ class Engine:
         return engine
 
     def _setup(self, config: EngineConfig, model: DiffusionTransformer, tokenizer: Optional[Any]) -> None:
+        if not isinstance(model, DiffusionTransformer):  # DiffusionGemma: the model loads, its mode is to come
+            raise CheckpointError(f"{model.display_name} checkpoints load (cai-dllm inspect, the model API) but "
+                                  "cannot be served yet: its uniform-noise decoding mode is not implemented")
         self.config = config
         self.model = model
         self.tokenizer = tokenizer

@@ -26,7 +26,7 @@ from engine.loading.safetensors_stream import TensorEntry, copy_tensor_into, rea
 from engine.models.attention import select_attention
 from engine.models.registry import model_class_for
 from engine.models.transformer import DiffusionTransformer
-from engine.models.weight_names import IGNORED_WEIGHTS, expected_weights
+from engine.models.weight_names import expected_weights, ignored_weight
 from engine.quantization import check_quantization, quantize_linear, quantize_linears
 
 
@@ -68,7 +68,7 @@ def plan_weights(model: DiffusionTransformer, files: list[Path]) -> dict[Path, l
         plan[path] = []
         for name, entry in read_header(path).items():
             if name not in expected:
-                if not IGNORED_WEIGHTS.search(name):
+                if not ignored_weight(name, model.config):
                     unexpected.append(name)
                 continue
             if name in seen:
@@ -133,7 +133,7 @@ def load_model(path: Union[str, Path], device: Union[str, torch.device] = "cpu",
     checkpoint = CheckpointFiles.open(path)
     cls = model_class_for(checkpoint.config)
     config = cls.parse_config(checkpoint.config)
-    special = checkpoint.special_tokens()
+    special = checkpoint.special_tokens(needs_mask=getattr(cls, "uses_mask_token", True))
     files = checkpoint.weight_files()
     target_device, target_dtype = resolve(device, dtype)
     check_quantization(quantization, target_device, target_dtype)

@@ -4,13 +4,17 @@ Every supported family is a pre-norm transformer with RMSNorm, rotary embeddings
 MLP; they differ only in the fields below. Each family parses its own Hugging Face `config.json`
 into this one shape (see `llada.py`, `dream.py`, `sdar.py`, `llada2.py`), so layers and the loader
 never read raw configs. The fields after `max_position_embeddings` are used by the block-diffusion
-families (SDAR, LLaDA2) only; their defaults describe LLaDA and Dream.
+families (SDAR, LLaDA2) only; their defaults describe LLaDA and Dream. DiffusionGemma's Gemma4
+backbone (sandwich norms, GELU, two attention layer kinds, dense MLP beside routed experts) is
+described by `gemma` (`gemma4_config.py`); its base fields give the sliding layers' shapes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+from engine.models.gemma4_config import Gemma4Spec
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ class ModelConfig:
     norm_scale_in_float32: bool = False
     block_size: Optional[int] = None  # the block a block-diffusion model was trained with
     moe: Optional[MoeConfig] = None
+    gemma: Optional[Gemma4Spec] = None  # DiffusionGemma's backbone (diffusion_gemma.py)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",

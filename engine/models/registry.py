@@ -6,26 +6,30 @@ from typing import Any, Union
 
 from engine.errors import CheckpointError
 from engine.models.block_transformer import BlockDiffusionTransformer
+from engine.models.diffusion_gemma import DiffusionGemmaModel
 from engine.models.dream import DreamModel
 from engine.models.llada import LLaDAModel
 from engine.models.llada2 import LLaDA2Model
 from engine.models.sdar import SDARModel
 from engine.models.transformer import DiffusionTransformer
 
-# Full-attention masked diffusion (LLaDA, Dream) or block diffusion (SDAR, LLaDA2).
-ModelClass = Union[type[DiffusionTransformer], type[BlockDiffusionTransformer]]
+# Full-attention masked diffusion (LLaDA, Dream), block diffusion (SDAR, LLaDA2) or uniform-noise
+# block diffusion (DiffusionGemma).
+ModelClass = Union[type[DiffusionTransformer], type[BlockDiffusionTransformer], type[DiffusionGemmaModel]]
 
 _BY_ARCHITECTURE: dict[str, ModelClass] = {
     "LLaDAModelLM": LLaDAModel,
     "DreamModel": DreamModel,
     "SDARForCausalLM": SDARModel,
     "LLaDA2MoeModelLM": LLaDA2Model,
+    "DiffusionGemmaForBlockDiffusion": DiffusionGemmaModel,
 }
 _BY_MODEL_TYPE: dict[str, ModelClass] = {
     "llada": LLaDAModel,
     "dream": DreamModel,
     "sdar": SDARModel,
     "llada2_moe": LLaDA2Model,
+    "diffusion_gemma": DiffusionGemmaModel,
 }
 
 

@@ -3,16 +3,19 @@
 Each rule maps a checkpoint tensor name (`{i}` = layer index, `{e}` = routed expert index) to one
 of our parameters, or to a named row-range (`shard`) of a fused parameter (q|k|v, gate|up, the
 stacked experts). A rule with `needs` applies only when that condition holds for the architecture;
-`dense_mlp` and `moe` rules apply to those layers only.
+`dense_mlp`, `moe` and `sliding_attention` rules apply to those layers only. `SKIPPED_WEIGHTS` names
+the tensors a family's checkpoint holds that the engine recognises and does not load.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
 from engine.models.config import ModelConfig
+from engine.models.gemma4_config import SLIDING
 
 
 @dataclass(frozen=True)
@@ -20,7 +23,7 @@ class WeightRule:
     hf_name: str
     param: str
     shard: Optional[str] = None
-    # "qkv_bias", "untied_head", "qk_norm", "dense_mlp", "moe" or "shared_expert"
+    # "qkv_bias", "untied_head", "qk_norm", "dense_mlp", "moe", "shared_expert" or "sliding_attention"
     needs: Optional[str] = None
 
 
@@ -94,6 +97,37 @@ _LLADA2_SHARED_EXPERT = {
     "mlp.shared_experts.up_proj.weight": ("mlp.shared.gate_up_proj.weight", "up"),
     "mlp.shared_experts.down_proj.weight": ("mlp.shared.down_proj.weight", None),
 }
+# DiffusionGemma stores the decoder's copy of every weight its encoder shares, and the encoder's
+# own `layer_scalar` (gemma4_layers.py names the norms after their place in the layer).
+_DIFFUSION_GEMMA_LAYER = {
+    "input_layernorm.weight": ("input_norm.weight", None),
+    "post_attention_layernorm.weight": ("post_attention_norm.weight", None),
+    "pre_feedforward_layernorm.weight": ("pre_feedforward_norm.weight", None),
+    "post_feedforward_layernorm_1.weight": ("post_feedforward_norm_1.weight", None),
+    "pre_feedforward_layernorm_2.weight": ("pre_feedforward_norm_2.weight", None),
+    "post_feedforward_layernorm_2.weight": ("post_feedforward_norm_2.weight", None),
+    "post_feedforward_layernorm.weight": ("post_feedforward_norm.weight", None),
+    "self_attn.q_proj.weight": ("attn.qkv_proj.weight", "q"),
+    "self_attn.k_proj.weight": ("attn.qkv_proj.weight", "k"),
+    "self_attn.o_proj.weight": ("attn.o_proj.weight", None),
+    "self_attn.q_norm.weight": ("attn.q_norm.weight", None),
+    "self_attn.k_norm.weight": ("attn.k_norm.weight", None),
+    "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", "gate"),
+    "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", "up"),
+    "mlp.down_proj.weight": ("mlp.down_proj.weight", None),
+    "router.proj.weight": ("router.proj.weight", None),
+    "router.scale": ("router.scale", None),
+    "router.per_expert_scale": ("router.per_expert_scale", None),
+    "experts.gate_up_proj": ("experts.gate_up_proj", None),  # [experts, 2·I, hidden], gate rows first
+    "experts.down_proj": ("experts.down_proj", None),
+    "layer_scalar": ("decoder_scalar", None),
+}
+_DIFFUSION_GEMMA_SELF_CONDITIONING = {
+    "model.decoder.self_conditioning.pre_norm.weight": ("self_conditioning.pre_norm.weight", None),
+    "model.decoder.self_conditioning.gate_proj.weight": ("self_conditioning.mlp.gate_up_proj.weight", "gate"),
+    "model.decoder.self_conditioning.up_proj.weight": ("self_conditioning.mlp.gate_up_proj.weight", "up"),
+    "model.decoder.self_conditioning.down_proj.weight": ("self_conditioning.mlp.down_proj.weight", None),
+}
 
 WEIGHT_RULES: dict[str, list[WeightRule]] = {
     "llada": [
@@ -129,10 +163,30 @@ WEIGHT_RULES: dict[str, list[WeightRule]] = {
         WeightRule("model.norm.weight", "norm.weight"),
         WeightRule("lm_head.weight", "lm_head.weight", needs="untied_head"),
     ],
+    "diffusion_gemma": [
+        WeightRule("model.decoder.embed_tokens.weight", "embed.weight"),  # also the encoder's and the head
+        *_layer_rules("model.decoder.layers", _DIFFUSION_GEMMA_LAYER),
+        WeightRule("model.decoder.layers.{i}.self_attn.v_proj.weight", "layers.{i}.attn.qkv_proj.weight", "v",
+                   needs="sliding_attention"),  # full layers take their values from k_proj
+        WeightRule("model.encoder.language_model.layers.{i}.layer_scalar", "layers.{i}.encoder_scalar"),
+        WeightRule("model.decoder.norm.weight", "norm.weight"),  # also the encoder's final norm
+        *(WeightRule(hf, param, shard) for hf, (param, shard) in _DIFFUSION_GEMMA_SELF_CONDITIONING.items()),
+    ],
 }
 
 # Buffers some exporters save that carry no learned state (recomputed from the config).
 IGNORED_WEIGHTS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+# Tensors a family's checkpoint holds that the engine does not run: DiffusionGemma's vision tower
+# (image inputs are refused before they reach the model).
+SKIPPED_WEIGHTS: dict[str, re.Pattern[str]] = {
+    "diffusion_gemma": re.compile(r"^model\.encoder\.(vision_tower|embed_vision)\."),
+}
+
+
+def ignored_weight(name: str, config: ModelConfig) -> bool:
+    """A checkpoint tensor that is recognised and not loaded."""
+    skipped = SKIPPED_WEIGHTS.get(config.architecture)
+    return bool(IGNORED_WEIGHTS.search(name)) or (skipped is not None and bool(skipped.search(name)))
 
 
 def _applies(rule: WeightRule, config: ModelConfig) -> bool:
@@ -144,15 +198,19 @@ def _applies(rule: WeightRule, config: ModelConfig) -> bool:
         return config.qk_norm
     if rule.needs == "shared_expert":
         return config.moe is not None and config.moe.num_shared_experts > 0
+    if rule.needs == "sliding_attention":
+        return config.gemma is not None
     return True
 
 
-def _layers(rule: WeightRule, config: ModelConfig) -> range:
+def _layers(rule: WeightRule, config: ModelConfig) -> Sequence[int]:
     dense = config.num_layers if config.moe is None else config.moe.first_dense_layers
     if rule.needs == "dense_mlp":
         return range(dense)
     if rule.needs in ("moe", "shared_expert"):
         return range(dense, config.num_layers)
+    if rule.needs == "sliding_attention" and config.gemma is not None:
+        return config.gemma.layers_of(SLIDING)
     return range(config.num_layers)
 
 
