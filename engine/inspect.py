@@ -12,6 +12,8 @@ from engine.loading.checkpoint import CheckpointFiles
 from engine.loading.safetensors_stream import read_header
 from engine.loading.weights import plan_weights
 from engine.models.block_transformer import BlockDiffusionTransformer
+from engine.models.diffusion_gemma import DiffusionGemmaModel
+from engine.models.gemma4_config import FULL, SLIDING, AttentionKind
 from engine.models.moe import GroupedExperts
 from engine.models.registry import model_class_for
 from engine.quantization import quantized_model_bytes
@@ -20,9 +22,10 @@ from engine.special_tokens import SpecialTokens
 _GB = 1e9
 
 
-def _special_ids(checkpoint: CheckpointFiles) -> tuple[Optional[SpecialTokens], Union[dict[str, Any], str]]:
+def _special_ids(checkpoint: CheckpointFiles,
+                 needs_mask: bool) -> tuple[Optional[SpecialTokens], Union[dict[str, Any], str]]:
     try:
-        special = checkpoint.special_tokens()
+        special = checkpoint.special_tokens(needs_mask=needs_mask)
     except CheckpointError as err:  # reported, not fatal: the rest of the description still holds
         return None, f"not loadable: {err}"
     return special, {"mask": special.mask_id, "eos": list(special.eos_ids), "eot": special.eot_id,
@@ -51,11 +54,49 @@ def _block_diffusion_details(model: BlockDiffusionTransformer) -> dict[str, Any]
     return details
 
 
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _attention_kind(kind: AttentionKind, layers: int) -> str:
+    window = f", window {kind.window}" if kind.window is not None else ""
+    values = ", values = raw keys (k_eq_v)" if kind.values_from_keys else ""
+    return (f"{layers} layer(s): head_dim {kind.head_dim}, {kind.num_kv_heads} KV head(s), RoPE θ {kind.rope_theta:g} "
+            f"on {kind.rotated_pairs} of {kind.head_dim // 2} pairs{window}{values}")
+
+
+def _diffusion_gemma_details(model: DiffusionGemmaModel, dtype: torch.dtype) -> dict[str, Any]:
+    gemma = model.gemma
+    sliding, full = gemma.layers_of(SLIDING), gemma.layers_of(FULL)
+    idle = sum(p.numel() for p in model.layers[0].experts.parameters()) // gemma.num_experts \
+        * (gemma.num_experts - gemma.experts_per_token) * len(model.layers)
+    ring = gemma.retained * len(sliding) * 2 * gemma.sliding.num_kv_heads * gemma.sliding.head_dim
+    per_position = len(full) * 2 * gemma.full.num_kv_heads * gemma.full.head_dim
+    return {
+        "attention": (f"uniform-noise block diffusion: causal encoder over the prompt and each committed canvas, "
+                      f"bidirectional decoder over a canvas of {gemma.canvas_length} random-initialised tokens"),
+        "canvas_length": gemma.canvas_length,
+        "sliding_layers": _attention_kind(gemma.sliding, len(sliding)),
+        "full_layers": _attention_kind(gemma.full, len(full)),
+        "experts": (f"{gemma.num_experts} routed, {gemma.experts_per_token} per token, beside a dense MLP in every "
+                    f"layer"),
+        "active_parameters": sum(p.numel() for p in model.parameters()) - idle,
+        "final_logit_softcapping": gemma.final_logit_softcapping,
+        "kv_cache": (f"{_size(per_position * dtype.itemsize)} per cached position (full layers) + "
+                     f"{_size(ring * dtype.itemsize)} per request (sliding rings of {gemma.retained} positions), "
+                     f"{str(dtype).removeprefix('torch.')}"),
+        "images": "not supported (the vision tower's weights are recognised and not loaded)",
+    }
+
+
 def describe_checkpoint(path: Union[str, Path]) -> dict[str, Any]:
     checkpoint = CheckpointFiles.open(path)
     cls = model_class_for(checkpoint.config)
     config = cls.parse_config(checkpoint.config)
-    special, special_ids = _special_ids(checkpoint)
+    special, special_ids = _special_ids(checkpoint, getattr(cls, "uses_mask_token", True))
     with torch.device("meta"):
         model = cls(config, special, checkpoint.config)
     report: dict[str, Any] = {
@@ -80,15 +121,21 @@ def describe_checkpoint(path: Union[str, Path]) -> dict[str, Any]:
     }
     if isinstance(model, BlockDiffusionTransformer):
         report.update(_block_diffusion_details(model))
+    elif isinstance(model, DiffusionGemmaModel):
+        report.update(_diffusion_gemma_details(model, _dtype_of(checkpoint.config.get("torch_dtype")
+                                                                or checkpoint.config.get("dtype"))))
     try:
         files = checkpoint.weight_files()
         dtypes: set[str] = set()
         for file in files:
             dtypes.update(str(entry.dtype).removeprefix("torch.") for entry in read_header(file).values())
-        plan_weights(model, files)
+        plan = plan_weights(model, files)
         report["dtype"] = ", ".join(sorted(dtypes))
         report["weights"] = {"files": len(files), "bytes": sum(f.stat().st_size for f in files),
                              "status": "ok"}
+        skipped = sum(len(read_header(f)) for f in files) - sum(len(p) for p in plan.values())
+        if skipped:
+            report["weights"]["not_loaded"] = skipped  # recognised and not run (rotary buffers, a vision tower)
     except CheckpointError as err:
         report["weights"] = {"status": f"not loadable: {err}"}
     return report
