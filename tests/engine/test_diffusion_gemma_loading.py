@@ -1,0 +1,129 @@
+"""DiffusionGemma's checkpoint handling around the parity fixture: the loader's name/shape checks,
+the config fields it refuses, both config spellings of the full layers' shapes, `inspect`, the
+engine's clear refusal to serve the family before its decoding mode exists, and the cache's
+growth and slot reuse."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import CheckpointError, Engine, load_model
+from engine.inspect import describe_checkpoint
+from engine.loading.safetensors_stream import read_header
+from engine.models.diffusion_gemma import DiffusionGemmaModel
+
+VISION = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+
+
+@pytest.fixture(scope="module")
+def source(fixtures) -> Path:
+    return fixtures / "diffusion_gemma" / "dg_tiny"
+
+
+@pytest.fixture
+def copy(source, tmp_path) -> Path:
+    dest = tmp_path / "dg"
+    shutil.copytree(source, dest)
+    return dest
+
+
+def _edit_config(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    config = json.loads((path / "config.json").read_text())
+    edit(config)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def _edit_weights(path: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    weights = load_file(path / "model.safetensors")
+    edit(weights)
+    save_file(weights, path / "model.safetensors")
+
+
+def test_inspect_counts_what_the_file_holds(source) -> None:
+    report = describe_checkpoint(source)
+    header = read_header(source / "model.safetensors")
+    text = [e for name, e in header.items() if not name.startswith(VISION)]
+    encoder_scalars = [name for name in header if ".encoder.language_model." in name]
+    # the encoder's scalars are its only tensors of its own: the rest is shared with the decoder
+    assert report["parameters"] == sum(torch.Size(e.shape).numel() for e in text)
+    assert report["weights"] == {"files": 1, "bytes": (source / "model.safetensors").stat().st_size, "status": "ok",
+                                 "not_loaded": len(header) - len(text)}
+    assert report["architecture"] == "DiffusionGemma" and encoder_scalars
+    config = json.loads((source / "config.json").read_text())
+    assert report["canvas_length"] == config["canvas_length"]
+    assert report["special_ids"]["mask"] is None
+
+
+@pytest.mark.parametrize(("edit", "named"), [
+    (lambda w: w.pop("model.decoder.layers.0.self_attn.v_proj.weight"), "missing from the checkpoint"),
+    (lambda w: w.pop("model.encoder.language_model.layers.1.layer_scalar"), "missing from the checkpoint"),
+    (lambda w: w.update({"model.decoder.layers.1.self_attn.v_proj.weight": torch.zeros(1)}), "not part of"),
+    (lambda w: w.update({"model.decoder.norm.weight": torch.zeros(3)}), "model.decoder.norm.weight has shape"),
+], ids=["sliding-v_proj-missing", "encoder-scalar-missing", "full-layer-v_proj", "bad-shape"])
+def test_loader_names_the_bad_tensor(copy, edit, named) -> None:
+    _edit_weights(copy, edit)
+    with pytest.raises(CheckpointError, match=named):
+        load_model(copy)
+
+
+@pytest.mark.parametrize(("edit", "field"), [
+    (lambda c: c["text_config"].update(use_bidirectional_attention="all"), "use_bidirectional_attention"),
+    (lambda c: c["text_config"].update(hidden_activation="silu"), "hidden_activation"),
+    (lambda c: c.update(tie_word_embeddings=False), "tie_word_embeddings"),
+    (lambda c: c["text_config"].pop("num_experts"), "num_experts"),
+    (lambda c: c["text_config"]["per_layer_config"]["1"].update(head_dim=8), "per_layer_config"),
+    (lambda c: c["text_config"]["rope_parameters"]["full_attention"].update(rope_type="yarn"), "rope_type"),
+    (lambda c: c.pop("text_config"), "text_config"),
+])
+def test_config_refusals_name_the_field(copy, edit, field) -> None:
+    _edit_config(copy, edit)
+    with pytest.raises(CheckpointError, match=field):
+        load_model(copy)
+
+
+def test_constructor_key_spelling_of_the_full_layers(copy, source) -> None:
+    """Files written before transformers saved `per_layer_config` carry `global_head_dim` and
+    `num_global_key_value_heads`: the same model."""
+    def respell(config: dict[str, Any]) -> None:
+        text = config["text_config"]
+        [override] = {json.dumps(v, sort_keys=True) for v in text.pop("per_layer_config").values()}
+        shape = json.loads(override)
+        text.update(global_head_dim=shape["head_dim"], num_global_key_value_heads=shape["num_key_value_heads"])
+
+    _edit_config(copy, respell)
+    assert DiffusionGemmaModel.parse_config(json.loads((copy / "config.json").read_text())) == \
+        DiffusionGemmaModel.parse_config(json.loads((source / "config.json").read_text()))
+
+
+def test_engine_refuses_to_serve_it_clearly(source) -> None:
+    with pytest.raises(CheckpointError, match="cannot be served yet"):
+        Engine.from_model(load_model(source))
+
+
+def test_cache_growth_and_slot_reuse(source) -> None:
+    model = load_model(source)
+    assert isinstance(model, DiffusionGemmaModel)
+    prompt = torch.arange(3, 3 + model.gemma.retained + 4)[None]  # longer than a sliding ring
+    small = model.new_cache(2, prompt.shape[1])
+    model.encode(prompt, small, rows=torch.tensor([1]))
+    small.reserve(prompt.shape[1] + model.canvas_length)
+    big = model.new_cache(2, prompt.shape[1] + model.canvas_length)
+    model.encode(prompt, big, rows=torch.tensor([1]))
+    canvas = torch.arange(5, 5 + model.canvas_length)[None]
+    rows = torch.tensor([1])
+    torch.testing.assert_close(model.decode(canvas, small, rows=rows), model.decode(canvas, big, rows=rows),
+                               atol=0, rtol=0)
+    big.reset(rows)  # a new request in slot 1 sees nothing of the old one
+    fresh = model.new_cache(2, big.width)
+    model.encode(prompt[:, :5], big, rows=rows)
+    model.encode(prompt[:, :5], fresh, rows=rows)
+    torch.testing.assert_close(model.decode(canvas, big, rows=rows), model.decode(canvas, fresh, rows=rows),
+                               atol=1e-5, rtol=0)
