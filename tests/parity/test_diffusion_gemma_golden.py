@@ -29,9 +29,10 @@ ENTROPY_ATOL = 1e-3  # the official float32 entropies vs ours (every recorded de
 GOLDEN = sorted(FIXTURES.glob("diffusion_gemma/golden/*.json"))
 
 
-@pytest.fixture(scope="module")
-def model(fixtures) -> DiffusionGemmaModel:
-    loaded = load_model(fixtures / "diffusion_gemma" / "dg_tiny")
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def model(fixtures, request) -> DiffusionGemmaModel:
+    loaded = load_model(fixtures / "diffusion_gemma" / "dg_tiny", device=request.param)
     assert isinstance(loaded, DiffusionGemmaModel)
     return loaded
 
@@ -39,15 +40,16 @@ def model(fixtures) -> DiffusionGemmaModel:
 class _Draws:
     """The recorded draws, taken in the official call order."""
 
-    def __init__(self, draws: list[dict[str, Any]]) -> None:
+    def __init__(self, draws: list[dict[str, Any]], device: torch.device) -> None:
         self._draws: Iterator[dict[str, Any]] = iter(draws)
+        self.device = device
         self.taken = 0
 
     def take(self, fn: str, shape: tuple[int, int]) -> torch.Tensor:
         draw = next(self._draws)
         self.taken += 1
         assert draw["fn"] == fn, f"draw {self.taken - 1} is a {draw['fn']}, the loop wants a {fn}"
-        return torch.tensor(draw["values"], dtype=torch.long).view(shape)
+        return torch.tensor(draw["values"], dtype=torch.long, device=self.device).view(shape)
 
 
 def _as_list(value: Any) -> list[int]:
@@ -63,26 +65,28 @@ def replay(model: DiffusionGemmaModel, run: dict[str, Any]) -> dict[str, Any]:
     steps_max, bound = gen["max_denoising_steps"], gen["sampler_config"]["entropy_bound"]
     stability, confidence = gen["stability_threshold"], gen["confidence_threshold"]
     adaptive = stability is not None and confidence is not None
-    eos, pad = torch.tensor(_as_list(gen["eos_token_id"])), gen["pad_token_id"]
+    device = model.device
+    eos, pad = torch.tensor(_as_list(gen["eos_token_id"]), device=device), gen["pad_token_id"]
     shape = (batch, canvas_length)
-    draws = _Draws(run["draws"])
-    prompt = torch.tensor(run["input_ids"])
+    draws = _Draws(run["draws"], device)
+    prompt = torch.tensor(run["input_ids"], device=device)
     canvases_max = math.ceil(gen["max_new_tokens"] / canvas_length)
     cache = model.new_cache(batch, prompt.shape[1] + canvases_max * canvas_length)
     to_encode = prompt
-    encode_mask = None if run["attention_mask"] is None else torch.tensor(run["attention_mask"])
-    finished_sequences = torch.zeros(batch, dtype=torch.bool)
-    passes = torch.zeros(batch, dtype=torch.long)
+    encode_mask = None if run["attention_mask"] is None else torch.tensor(run["attention_mask"], device=device)
+    finished_sequences = torch.zeros(batch, dtype=torch.bool, device=device)
+    passes = torch.zeros(batch, dtype=torch.long, device=device)
     generated: list[torch.Tensor] = []
     for index in range(canvases_max):
         record = run["canvases"][index]
         model.encode(to_encode, cache, attention_mask=encode_mask)
         canvas = draws.take("randint", shape)
         if index == 0 and run["given_decoder_input_ids"] is not None:
-            canvas = torch.tensor(run["given_decoder_input_ids"])  # the draw above is made and discarded
+            # the draw above is made and discarded
+            canvas = torch.tensor(run["given_decoder_input_ids"], device=device)
         argmax, soft = canvas, None
-        finished = torch.zeros(batch, dtype=torch.bool)
-        history = torch.full((max(stability or 0, 0), *shape), -1, dtype=torch.long)
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        history = torch.full((max(stability or 0, 0), *shape), -1, dtype=torch.long, device=device)
         done_steps = 0
         for cur_step in range(steps_max, 0, -1):
             step = record["steps"][done_steps]
@@ -95,9 +99,9 @@ def replay(model: DiffusionGemmaModel, run: dict[str, Any]) -> dict[str, Any]:
             scaled = model.decode(canvas, cache, self_conditioning=soft) / temperature
             sampled = draws.take("multinomial", shape)
             entropy = torch.distributions.Categorical(logits=scaled).entropy()
-            torch.testing.assert_close(entropy, torch.tensor(step["entropy"]), atol=ENTROPY_ATOL, rtol=0)
+            torch.testing.assert_close(entropy.cpu(), torch.tensor(step["entropy"]), atol=ENTROPY_ATOL, rtol=0)
             ascending, order = entropy.sort(dim=-1)
-            accepted = torch.zeros(shape, dtype=torch.bool).scatter(
+            accepted = torch.zeros(shape, dtype=torch.bool, device=device).scatter(
                 -1, order, ascending.cumsum(-1) - ascending <= bound)
             assert accepted.long().tolist() == step["accepted"], f"canvas {index} step {done_steps}: accepted"
             new_canvas = torch.where(accepted, sampled, draws.take("randint", shape))
@@ -131,7 +135,7 @@ def replay(model: DiffusionGemmaModel, run: dict[str, Any]) -> dict[str, Any]:
         to_encode, encode_mask = committed, None
     assert len(generated) == len(run["canvases"]) and draws.taken == len(run["draws"])
     tokens = torch.cat(generated, dim=1)
-    valid = (tokens != pad).sum(-1) if pad is not None else torch.full((batch,), tokens.shape[1])
+    valid = (tokens != pad).sum(-1) if pad is not None else torch.full((batch,), tokens.shape[1], device=device)
     return {"generated": tokens.tolist(), "tokens_per_forward": (valid / passes).float().tolist(),
             "passes": passes.tolist()}
 
