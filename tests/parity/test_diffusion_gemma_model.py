@@ -27,10 +27,12 @@ from engine.models.gemma4_moe import MOE_KERNELS
 LOGITS_ATOL = 5e-4  # the bound: the official float32 decoder is itself ~1e-4 from float64 math
 BATCHING_ATOL = 1e-4  # the same math over other key widths and masks (another SDPA kernel): rounding only
 STATE_ATOL = 1e-5  # hidden states, keys, values, self-conditioning tensors
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="needs CUDA"))]
 
 
 def _close(ours: torch.Tensor, ref: torch.Tensor, atol: float) -> None:
-    torch.testing.assert_close(ours, ref.to(ours.dtype), atol=atol, rtol=0)
+    torch.testing.assert_close(ours, ref.to(ours.device, ours.dtype), atol=atol, rtol=0)
 
 
 @pytest.fixture(scope="module")
@@ -38,16 +40,21 @@ def dg_dir(fixtures) -> Path:
     return fixtures / "diffusion_gemma"
 
 
+@pytest.fixture(scope="module", params=DEVICES)
+def device(request) -> torch.device:
+    return torch.device(request.param)
+
+
 @pytest.fixture(scope="module")
-def model(dg_dir) -> DiffusionGemmaModel:
-    loaded = load_model(dg_dir / "dg_tiny")
+def model(dg_dir, device) -> DiffusionGemmaModel:
+    loaded = load_model(dg_dir / "dg_tiny", device=device)
     assert isinstance(loaded, DiffusionGemmaModel)
     return loaded
 
 
 @pytest.fixture(scope="module")
-def ref(dg_dir) -> dict[str, torch.Tensor]:
-    return load_file(dg_dir / "dg_forward.safetensors")
+def ref(dg_dir, device) -> dict[str, torch.Tensor]:
+    return {name: t.to(device) for name, t in load_file(dg_dir / "dg_forward.safetensors").items()}
 
 
 @pytest.fixture(scope="module")
