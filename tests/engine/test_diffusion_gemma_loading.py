@@ -62,14 +62,20 @@ def test_inspect_counts_what_the_file_holds(source) -> None:
     assert report["special_ids"]["mask"] is None
 
 
+def _layer_of_kind(path: Path, kind: str) -> int:
+    types = json.loads((path / "config.json").read_text())["text_config"]["layer_types"]
+    return types.index(kind)
+
+
 @pytest.mark.parametrize(("edit", "named"), [
-    (lambda w: w.pop("model.decoder.layers.0.self_attn.v_proj.weight"), "missing from the checkpoint"),
-    (lambda w: w.pop("model.encoder.language_model.layers.1.layer_scalar"), "missing from the checkpoint"),
-    (lambda w: w.update({"model.decoder.layers.1.self_attn.v_proj.weight": torch.zeros(1)}), "not part of"),
-    (lambda w: w.update({"model.decoder.norm.weight": torch.zeros(3)}), "model.decoder.norm.weight has shape"),
+    (lambda w, s, f: w.pop(f"model.decoder.layers.{s}.self_attn.v_proj.weight"), "missing from the checkpoint"),
+    (lambda w, s, f: w.pop(f"model.encoder.language_model.layers.{f}.layer_scalar"), "missing from the checkpoint"),
+    (lambda w, s, f: w.update({f"model.decoder.layers.{f}.self_attn.v_proj.weight": torch.zeros(1)}), "not part of"),
+    (lambda w, s, f: w.update({"model.decoder.norm.weight": torch.zeros(3)}), "model.decoder.norm.weight has shape"),
 ], ids=["sliding-v_proj-missing", "encoder-scalar-missing", "full-layer-v_proj", "bad-shape"])
 def test_loader_names_the_bad_tensor(copy, edit, named) -> None:
-    _edit_weights(copy, edit)
+    sliding, full = _layer_of_kind(copy, "sliding_attention"), _layer_of_kind(copy, "full_attention")
+    _edit_weights(copy, lambda weights: edit(weights, sliding, full))
     with pytest.raises(CheckpointError, match=named):
         load_model(copy)
 
@@ -79,7 +85,8 @@ def test_loader_names_the_bad_tensor(copy, edit, named) -> None:
     (lambda c: c["text_config"].update(hidden_activation="silu"), "hidden_activation"),
     (lambda c: c.update(tie_word_embeddings=False), "tie_word_embeddings"),
     (lambda c: c["text_config"].pop("num_experts"), "num_experts"),
-    (lambda c: c["text_config"]["per_layer_config"]["1"].update(head_dim=8), "per_layer_config"),
+    (lambda c: c["text_config"]["per_layer_config"].update(
+        {str(c["text_config"]["layer_types"].index("sliding_attention")): {"head_dim": 8}}), "per_layer_config"),
     (lambda c: c["text_config"]["rope_parameters"]["full_attention"].update(rope_type="yarn"), "rope_type"),
     (lambda c: c.pop("text_config"), "text_config"),
 ])

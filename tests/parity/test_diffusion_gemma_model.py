@@ -106,7 +106,10 @@ def test_config_from_the_fixture(model, dg_dir, info) -> None:
     assert list(gemma.layer_types) == info["layer_types"] == text["layer_types"]
     assert gemma.canvas_length == config["canvas_length"]
     assert gemma.retained == text["sliding_window"] - 1 == info["cache_after_prefill"]["retained"][0]
-    for layer, override in text["per_layer_config"].items():
+    overrides = text.get("per_layer_config") or {
+        str(i): {"head_dim": text["global_head_dim"], "num_key_value_heads": text["num_global_key_value_heads"]}
+        for i, kind in enumerate(text["layer_types"]) if kind == "full_attention"}
+    for layer, override in overrides.items():
         kind = gemma.attention(int(layer))
         assert (kind.head_dim, kind.num_kv_heads) == (override["head_dim"], override["num_key_value_heads"])
     assert gemma.sliding.head_dim == text["head_dim"] and gemma.sliding.num_kv_heads == text["num_key_value_heads"]
