@@ -193,7 +193,9 @@ class DiffusionGemmaModel(nn.Module):
         of cache rows `rows` (slots 0..B-1 when None) and cache them. `attention_mask` [B, L]: 0 marks a
         pad (left padding). `width` (a host int, >= max(length) + L): the full-layer columns read;
         None reads them all. `hidden_states_out`, when a list, gets every layer's input and the
-        final-normed output (Hugging Face's `output_hidden_states` order)."""
+        final-normed output (Hugging Face's `output_hidden_states` order). A long prompt may be
+        encoded in consecutive chunks with the same result: no query looks further back than the
+        sliding ring and the chunk hold."""
         check_input_ids(input_ids)
         batch, length = input_ids.shape
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
