@@ -42,8 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check_summary import parse_junit, parse_pytest_lines, parse_table, summary_lines
 
 ROOT = Path(__file__).resolve().parents[1]
-CUDA_TEST_FILES = ("tests/engine/test_cuda_models.py", "tests/engine/test_cuda_quantization.py",
-                   "tests/engine/test_dual_graphs.py")
+# in this order: a phase stopped by its budget keeps what ran first (the quantized models' CPU references
+# are the slowest part)
+CUDA_TEST_FILES = ("tests/engine/test_cuda_models.py", "tests/engine/test_dual_graphs.py",
+                   "tests/engine/test_cuda_quantization.py")
 PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "triton", "torchao", "bitsandbytes",
             "flash_attn")
 # Per-phase budgets on a GPU (seconds), inside the whole check's: measured phases are short of them by

@@ -21,7 +21,7 @@ TEST_LABELS = {
     "test_fp8_loads_and_answers_on_a_gpu_that_has_it": "fp8",
 }
 # recorded, but too long or too plain for the screen (results.json keeps them)
-OFF_SCREEN = ("sync_sources", "texts", "steps")
+OFF_SCREEN = ("sync_sources", "steps")
 STEP_COLUMNS = ("model", "batch", "cache", "step", "attn", "step_ms", "tok_per_s", "floor_ms", "step/floor")
 OFFLINE_COLUMNS = ("model", "batch", "graphs", "tok_per_s", "step_ms_med", "captured", "tok_vs_eager")
 WIDTH = 150
@@ -121,7 +121,7 @@ def _tests_lines(phase: dict[str, Any]) -> list[str]:
                 measured[(TEST_LABELS.get(function, function), key)].append(f"{params or '-'} {value}")
     if measured:
         lines.append("  measured:")
-        lines += [f"    {label:<14} {key:<22} {' | '.join(values)}"[:WIDTH]
+        lines += [f"    {label:<14} {key:<16} {' | '.join(values)}"[:WIDTH]
                   for (label, key), values in measured.items()]
     return lines
 

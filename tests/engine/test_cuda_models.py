@@ -62,12 +62,12 @@ def test_a_forward_on_the_device_tracks_the_cpu_forward(name, dtype, record_prop
     ids = _canvases(name, reference_model.special.mask_id, reference_model.block_size or 1)
     reference = _forward(reference_model, ids)
     error = relative_error(_forward(model_on(name, CHECK_DEVICE, dtype), ids), reference)
-    record_property("relative_error", f"{error:.3g}")
+    record_property("error", f"{error:.2g}")
     if dtype == "float32":
         assert error < FLOAT32_LOGITS_TOLERANCE
     else:
         cpu_error = relative_error(_forward(model_on(name, "cpu", dtype), ids), reference)
-        record_property("cpu_relative_error", f"{cpu_error:.3g}")
+        record_property("cpu_error", f"{cpu_error:.2g}")
         assert error <= 2 * cpu_error, (error, cpu_error)
 
 
@@ -75,8 +75,7 @@ def test_a_forward_on_the_device_tracks_the_cpu_forward(name, dtype, record_prop
 def test_float32_on_the_device_answers_as_on_the_cpu(name, record_property):
     reference, ours = decoded(name, "cpu", "float32"), decoded(name, CHECK_DEVICE, "float32")
     diff = changed(ours.texts, reference.texts)
-    record_property("texts", len(reference.texts))
-    record_property("changed", len(diff))
+    record_property("changed", f"{len(diff)}/{len(reference.texts)}")
     record_property("correct", f"{ours.correct} (cpu {reference.correct})")
     assert not diff, describe(name, diff, ours.texts, reference.texts)
 
@@ -88,8 +87,7 @@ def test_bfloat16_on_the_device_changes_no_more_texts_than_bfloat16_rounding(nam
     ours = decoded(name, CHECK_DEVICE, "bfloat16")
     diff = changed(ours.texts, reference.texts)
     budget = bfloat16_budget(len(cpu_changes))
-    record_property("texts", len(reference.texts))
-    record_property("changed", f"{len(diff)} (cpu bfloat16 {len(cpu_changes)}, budget {budget})")
+    record_property("changed", f"{len(diff)}/{len(reference.texts)} (cpu {len(cpu_changes)}, budget {budget})")
     record_property("correct", f"{ours.correct} (cpu float32 {reference.correct})")
     assert len(diff) <= budget, describe(name, diff, ours.texts, reference.texts)
 
@@ -108,14 +106,14 @@ def test_cuda_graphs_give_the_tokens_eager_steps_give(name, dtype, record_proper
     graphs = decode_with(engine, check_requests(name))
     assert engine.runner.dual_graphs is not None and engine.runner.dual_graphs.captured > 0
     diff = changed(graphs.tokens, eager.tokens)
-    record_property("captured_graphs", engine.runner.dual_graphs.captured)
+    record_property("graphs", engine.runner.dual_graphs.captured)
     if dtype == "float32":
-        record_property("changed", len(diff))
+        record_property("changed", f"{len(diff)}/{len(eager.tokens)}")
         assert not diff, describe(name, diff, graphs.texts, eager.texts)
     else:
         reference = decoded(name, "cpu", "float32")
         budget = bfloat16_budget(len(changed(decoded(name, "cpu", "bfloat16").texts, reference.texts)))
-        record_property("changed", f"{len(diff)} (budget {budget})")
+        record_property("changed", f"{len(diff)}/{len(eager.tokens)} (budget {budget})")
         assert len(diff) <= budget, describe(name, diff, graphs.texts, eager.texts)
 
 
@@ -147,7 +145,7 @@ def test_one_host_read_per_step_on_the_device(name, record_property):
         sources.update(f"{'/'.join(w.filename.split('/')[-2:])}:{w.lineno}" for w in found)
     record_property("steps", len(syncs))
     if on_cuda:
-        record_property("device_syncs_per_step", f"max {max(syncs)}, mean {sum(syncs) / len(syncs):.2f}")
+        record_property("syncs_per_step", f"max {max(syncs)}, mean {sum(syncs) / len(syncs):.2f}")
         record_property("sync_sources", "; ".join(f"{s} x{n}" for s, n in sources.most_common(8)))
 
 
@@ -160,7 +158,7 @@ def test_moe_kernels_on_the_device(llada2_dir, record_property):
     ids = (torch.arange(4 * 2 * DEFAULT_BLOCK_LENGTH).view(4, -1) * 7) % reference_model.config.vocab_size
     reference = _forward(reference_model, ids)
     error = relative_error(_forward(load_model(llada2_dir, device=str(device)), ids), reference)
-    record_property("float32_relative_error", f"{error:.3g}")
+    record_property("float32_error", f"{error:.2g}")
     assert error < FLOAT32_LOGITS_TOLERANCE
     cpu_error = relative_error(_forward(load_model(llada2_dir, dtype="bfloat16"), ids), reference)
     model = load_model(llada2_dir, device=str(device), dtype="bfloat16")
@@ -174,7 +172,7 @@ def test_moe_kernels_on_the_device(llada2_dir, record_property):
         kernels[kernel] = _forward(model, ids)
     model.set_moe_kernel(None)
     between = relative_error(kernels["grouped_mm"], kernels["plain"])
-    record_property("grouped_mm_vs_plain", f"{between:.3g} (cpu bfloat16 error {cpu_error:.3g})")
+    record_property("grouped_vs_plain", f"{between:.2g} (cpu bfloat16 error {cpu_error:.2g})")
     assert between <= cpu_error
     assert relative_error(kernels["grouped_mm"], reference) <= 2 * cpu_error
     if device.type == "cuda":
