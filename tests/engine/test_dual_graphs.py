@@ -97,6 +97,7 @@ def test_static_dual_forward_leaves_other_slots_caches_alone(llada_model):
         assert (new[2][:, block] != 0).all()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_cuda_graphs_decode_what_the_eager_engine_decodes():
     model = load_model(MODELS / "llada-tiny", device="cuda")
