@@ -175,6 +175,11 @@ def environment(device: str) -> dict[str, Any]:
     return env
 
 
+def _no_rows_is_an_error(result: PhaseResult) -> None:
+    if result.status == "passed" and not result.details.get("table"):
+        result.status = "error (no rows)"
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, help="folder for the results and logs (made if absent)")
@@ -216,13 +221,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         result, text = check.run("tests", command, env, budgets["tests"])
         tests = parse_junit(xml) if xml.is_file() else parse_pytest_lines(text)
         result.details = {"env": env, "tests": tests, "from": "junit" if xml.is_file() else "console"}
-        if result.status == "passed" and not tests:
-            result.status = "error (no test ran)"
+        if result.status == "passed" and not any(test["outcome"] == "passed" for test in tests):
+            result.status = "error (no test passed: every one skipped)"
         check.record(result)
     if "step" in args.phases:
         command = [python, "bench/gpu_step.py", *STEP_ARGS[args.device]]
         result, text = check.run("step", command, {}, budgets["step"], args.out / "gpu_step.txt")
         result.details = parse_table(text, first_column="model")
+        _no_rows_is_an_error(result)
         check.record(result)
     if "offline" in args.phases:
         with tempfile.TemporaryDirectory() as scratch:  # not in OUTDIR: its files are the six above
@@ -232,6 +238,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             result.details = parse_table(text, first_column="model")
             if rows.is_file():
                 result.details["rows"] = json.loads(rows.read_text())["rows"]
+        _no_rows_is_an_error(result)
         check.record(result)
 
     failed = [name for name, phase in check.results["phases"].items() if phase["status"] != "passed"]
