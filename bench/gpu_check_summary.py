@@ -24,7 +24,7 @@ TEST_LABELS = {
 OFF_SCREEN = ("sync_sources", "steps")
 STEP_COLUMNS = ("model", "batch", "cache", "step", "attn", "step_ms", "tok_per_s", "floor_ms", "step/floor")
 OFFLINE_COLUMNS = ("model", "batch", "graphs", "tok_per_s", "step_ms_med", "captured", "tok_vs_eager")
-WIDTH = 150
+WIDTH = 140
 
 
 def parse_junit(path: Path) -> list[dict[str, Any]]:
@@ -118,12 +118,26 @@ def _tests_lines(phase: dict[str, Any]) -> list[str]:
         function, params = _test_name(test["id"])
         for key, value in test["properties"].items():
             if key not in OFF_SCREEN:
-                measured[(TEST_LABELS.get(function, function), key)].append(f"{params or '-'} {value}")
+                label = TEST_LABELS.get(function, function)
+                measured[(label, key)].append(f"{params.replace('-tiny', '') or '-'} {value}")
     if measured:
         lines.append("  measured:")
-        lines += [f"    {label:<14} {key:<16} {' | '.join(values)}"[:WIDTH]
-                  for (label, key), values in measured.items()]
+        for (label, key), values in measured.items():
+            lines += _wrapped(f"    {label:<14} {key:<16} ", values)
     return lines
+
+
+def _wrapped(head: str, values: list[str]) -> list[str]:
+    """`head` then the values joined by ' | ', continued under the first value past WIDTH."""
+    lines, line = [], head
+    for i, value in enumerate(values):
+        piece = value if i == 0 else f" | {value}"
+        if i and len(line) + len(piece) > WIDTH:
+            lines.append(line)
+            line = " " * len(head) + value
+        else:
+            line += piece
+    return [*lines, line]
 
 
 def _table_lines(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> list[str]:

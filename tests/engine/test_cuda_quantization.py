@@ -54,7 +54,7 @@ def test_a_quantized_model_answers_on_the_device_as_on_the_cpu(name, mode, recor
     diff = changed(ours.texts, reference.texts)
     budget = bfloat16_budget(len(cpu_changes))
     record_property("changed", f"{len(diff)}/{len(ours.texts)} (cpu {len(cpu_changes)}, budget {budget})")
-    record_property("correct", f"{ours.correct} (cpu float32 {reference.correct})")
+    record_property("correct", f"{ours.correct} (cpu {reference.correct})")
     assert all(ours.tokens), "every request generated tokens"
     assert len(diff) <= budget, describe(name, diff, ours.texts, reference.texts)
 
@@ -74,7 +74,7 @@ def test_fp8_loads_and_answers_on_a_gpu_that_has_it(name, record_property):
     ours = decoded(name, CHECK_DEVICE, "bfloat16", "fp8")
     assert all(ours.tokens), "every request generated tokens"
     record_property("changed", f"{len(changed(ours.texts, reference.texts))}/{len(ours.texts)}")
-    record_property("correct", f"{ours.correct} (cpu float32 {reference.correct})")
+    record_property("correct", f"{ours.correct} (cpu {reference.correct})")
     # e4m3 keeps 3 mantissa bits (~3 % a weight: between int8 and int4): a model that answers fewer than
     # half of what the float model answers is broken, not rounded
     assert 2 * ours.correct >= reference.correct, describe(name, changed(ours.texts, reference.texts), ours.texts,
