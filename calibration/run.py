@@ -12,13 +12,13 @@ from engine.chat import chat_prompt_ids
 from engine.decoding import DecodeParams
 from engine.decoding.profiles import DecodingProfile
 from engine.engine import Engine
-from engine.loading.tokenizer import encode_text
+from engine.user_text import encode_user_text
 
 
 def prompt_ids(engine: Engine, item: Item) -> list[int]:
     if "messages" in item.data:
         return chat_prompt_ids(engine.tokenizer, item.data["messages"])
-    return encode_text(engine.tokenizer, item.data["prompt"])
+    return encode_user_text(engine.tokenizer, item.data["prompt"])
 
 
 def make_measure(engine: Engine, items: Sequence[Item], grader: Grader, gen_length: int,

@@ -31,7 +31,7 @@ from engine.decoding.params import DEFAULT_BLOCK_LENGTH, EDIT_POLICIES, DecodePa
 from engine.decoding.types import GenerationResult
 from engine.dual_graphs import DualStepGraphs
 from engine.errors import CheckpointError, RequestError
-from engine.loading.tokenizer import encode_text, load_tokenizer
+from engine.loading.tokenizer import load_tokenizer
 from engine.loading.weights import load_model
 from engine.model_runner import ModelRunner
 from engine.models.transformer import DiffusionTransformer
@@ -39,6 +39,7 @@ from engine.request import Request, StepOutput
 from engine.scheduler import Scheduler
 from engine.scoring import ScoringJob, scoring_cost
 from engine.slots import Slots
+from engine.user_text import encode_user_text
 
 Prompt = Union[Sequence[int], str]
 
@@ -117,7 +118,9 @@ class Engine:
         return rows if self.tokenizer is None else min(rows, len(self.tokenizer))
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
-        """RequestError unless the prompt is non-empty token ids of this model's vocabulary."""
+        """RequestError unless the prompt is non-empty token ids of this model's vocabulary, without the
+        mask token (the decoder would fill a prompt's mask as part of the answer: a block-diffusion
+        row's first block holds the prompt's tail; text never encodes to it, engine/user_text.py)."""
         vocab = self.vocab_size
         if not prompt_ids:
             raise RequestError("prompt_ids must not be empty (a text prompt may encode to no token)",
@@ -125,6 +128,11 @@ class Engine:
         bad = next((t for t in prompt_ids if not 0 <= int(t) < vocab), None)
         if bad is not None:
             raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        mask = self.model.special.mask_id
+        at = next((i for i, t in enumerate(prompt_ids) if int(t) == mask), None)
+        if at is not None:
+            raise RequestError(f"prompt token {at} is the mask token (id {mask}), which marks the positions the "
+                               f"model decodes; a prompt may not hold it", code="mask_token_in_prompt")
 
     def validate(self, prompt_ids: Sequence[int], params: DecodeParams) -> DecodeParams:
         """The request's parameters with the model's defaults filled; RequestError if unusable."""
@@ -260,9 +268,10 @@ class Engine:
                  on_finish: Optional[Callable[[GenerationResult], None]] = None) -> list[GenerationResult]:
         """Decode every prompt and return the results in order: a loop over add_request and step.
 
-        A prompt is token ids or text (encoded as is, without a chat template:
-        see `engine.chat.chat_prompt_ids`). `params` is one DecodeParams for all prompts or one per
-        prompt. Requests beyond `max_batch` wait and join as rows finish, exactly as in the server.
+        A prompt is token ids or text (encoded as a client's text, without a chat template: see
+        `engine.chat.chat_prompt_ids`; a control token the text spells is plain text,
+        engine/user_text.py). `params` is one DecodeParams for all prompts or one per prompt. Requests
+        beyond `max_batch` wait and join as rows finish, exactly as in the server.
         With a tokenizer, each result carries its decoded `text`. `on_finish(result)` is called as each
         request finishes (a progress bar)."""
         if params is None or isinstance(params, DecodeParams):
@@ -275,7 +284,7 @@ class Engine:
                 if isinstance(prompt, str):
                     if self.tokenizer is None:
                         raise ValueError("text prompts need a tokenizer")
-                    prompt = encode_text(self.tokenizer, prompt)
+                    prompt = encode_user_text(self.tokenizer, prompt)
                 order.append(self.add_request(prompt, p, f"offline-{i}"))
         except Exception:
             for request_id in order:  # fail before any work is done

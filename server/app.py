@@ -125,7 +125,7 @@ class AppState:
             return None
         return openapi.Limits(model=self.settings.model_name, max_model_len=loop.max_model_len,
                               max_n=self.settings.max_n, max_logprobs=loop.max_logprobs,
-                              vocab_size=loop.vocab_size,
+                              vocab_size=loop.vocab_size, mask_id=loop.mask_id,
                               profiles=tuple(self.serving.completions.profiles) if self.serving else ())
 
     def failure(self) -> Optional[tuple[str, str]]:

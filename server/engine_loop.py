@@ -95,6 +95,7 @@ class EngineLoop:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.end_ids = frozenset(model.special.end_ids)
+        self.mask_id = model.special.mask_id
         self.architecture = engine.architecture
         self.model_block_length = engine.model_block_length
         self.attention_backend = model.attention_backend

@@ -46,9 +46,10 @@ EMPTY_PROMPT = "empty_prompt"  # a text that encodes to no token
 SCORING_TOO_LARGE = "scoring_too_large"  # echo + logprobs above --max-score-tokens
 INVALID_UNICODE = "invalid_unicode"  # a lone surrogate escape in a string (valid JSON, not text)
 UNKNOWN_PROFILE = "unknown_profile"  # decoding.profile names no profile this server loaded
+MASK_TOKEN_IN_PROMPT = "mask_token_in_prompt"  # token-id prompt holding the mask id (engine.check_prompt)
 CROSS_FIELD_CODES = (CONTEXT_LENGTH_EXCEEDED, INVALID_DECODING, TOO_MANY_CHOICES, LOGPROBS_REQUIRED,
                      CHAT_TEMPLATE_ERROR, EMPTY_PROMPT, SCORING_TOO_LARGE, INVALID_UNICODE, UNKNOWN_PROFILE,
-                     DECODE_STEPS_EXCEEDED)
+                     DECODE_STEPS_EXCEEDED, MASK_TOKEN_IN_PROMPT)
 # Knobs an OpenAI/vLLM request field sets, over the decoding object's value
 _OPENAI_KNOBS = ("temperature", "seed", "top_p", "top_k", "min_p", "ignore_eos", "logprobs")
 # How often a request waiting on the engine checks whether its client is still there.

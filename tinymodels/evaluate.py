@@ -26,7 +26,7 @@ import torch
 from engine.chat import chat_prompt_ids
 from engine.decoding import DecodeParams, GenerationResult
 from engine.engine import Engine
-from engine.loading.tokenizer import encode_text
+from engine.user_text import encode_user_text
 from tinymodels.checker import graded_part, is_correct
 from tinymodels.prompt_forms import PROMPT_FORMS
 from tinymodels.tasks import DEFAULT_MIX, Problem, sample
@@ -145,7 +145,7 @@ def prompt_ids(engine: Engine, problem: Problem, form: str) -> list[int]:
     if form == "chat":
         return chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": problem.prompt}])
     if form == "plain":
-        return encode_text(engine.tokenizer, problem.prompt)
+        return encode_user_text(engine.tokenizer, problem.prompt)
     raise ValueError(f"prompt form must be one of {', '.join(PROMPT_FORMS)}, got {form!r}")
 
 

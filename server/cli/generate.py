@@ -25,6 +25,7 @@ def run(args: argparse.Namespace) -> int:
     from engine import CheckpointError, DeviceError, Engine, RequestError, load_model, load_tokenizer
     from engine.chat import chat_prompt_ids
     from engine.decoding import DecodeParamError, DecodeParams
+    from engine.user_text import encode_user_text
 
     try:
         params = DecodeParams.from_dict(decode_overrides(args))
@@ -41,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
             if args.chat:
                 prompts.append(chat_prompt_ids(tokenizer, [{"role": "user", "content": text}]))
             else:
-                prompts.append(list(tokenizer.encode(text, add_special_tokens=False)))
+                prompts.append(encode_user_text(tokenizer, text))
         for ids in args.prompt_ids or []:
             prompts.append([int(t) for t in ids.split(",") if t.strip()])
         results = Engine.from_model(model, tokenizer, max_batch=args.max_batch).generate(prompts, params)

@@ -26,7 +26,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from engine import CheckpointError, DeviceError, Engine, EngineConfig, RequestError
     from engine.chat import chat_prompt_ids
-    from engine.loading.tokenizer import encode_text
+    from engine.user_text import encode_user_text
 
     try:
         engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
@@ -34,10 +34,10 @@ def run(args: argparse.Namespace) -> int:
         if engine.tokenizer is None:
             raise CheckpointError("scoring text needs a checkpoint with a tokenizer")
         context = (chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": args.context}]) if args.chat
-                   else encode_text(engine.tokenizer, args.context))
+                   else encode_user_text(engine.tokenizer, args.context))
         rows = []
         for text in args.continuation:
-            ids = [*context, *encode_text(engine.tokenizer, text)]
+            ids = [*context, *encode_user_text(engine.tokenizer, text)]
             values = engine.score(ids, args.samples, args.seed)[len(context):]
             rows.append({"continuation": text, "logprob": sum(v for v in values if v is not None),
                          "tokens": len(values), "token_logprobs": values})
