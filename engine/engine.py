@@ -25,10 +25,10 @@ import torch
 from engine import summary
 from engine.batch import Batch
 from engine.config import EngineConfig
-from engine.cpus import default_threads
+from engine.cpus import set_threads
 from engine.decoding.decide import decide_step
 from engine.decoding.params import DEFAULT_BLOCK_LENGTH, EDIT_POLICIES, DecodeParamError, DecodeParams, resolve_defaults
-from engine.decoding.types import GenerationResult
+from engine.decoding.types import GenerationResult, RequestStats
 from engine.dual_graphs import DualStepGraphs
 from engine.errors import CheckpointError, RequestError
 from engine.loading.tokenizer import load_tokenizer
@@ -39,14 +39,14 @@ from engine.request import Request, StepOutput
 from engine.scheduler import Scheduler
 from engine.scoring import ScoringJob, scoring_cost
 from engine.slots import Slots
-from engine.user_text import encode_user_text
+from engine.user_text import encode_prompt_text
 
 Prompt = Union[Sequence[int], str]
 
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
-        torch.set_num_threads(config.threads or default_threads())  # process-wide: before any work
+        set_threads(config.threads)  # process-wide: before any work
         model = load_model(config.model, device=config.device, dtype=config.dtype,
                            use_flash_attn=config.use_flash_attn, quantization=config.quantization,
                            quantize_head=config.quantize_head)
@@ -199,6 +199,11 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def running_stats(self) -> dict[str, RequestStats]:
+        """The telemetry so far of every running request, by id (read it on the stepping thread,
+        between steps: a stream cut by a stop string reports the steps it took until then)."""
+        return {request.request_id: request.stats for request in self.scheduler.running}
+
     @property
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
@@ -265,15 +270,18 @@ class Engine:
 
     def generate(self, prompts: Sequence[Prompt],
                  params: Optional[Union[DecodeParams, Sequence[DecodeParams]]] = None,
-                 on_finish: Optional[Callable[[GenerationResult], None]] = None) -> list[GenerationResult]:
+                 on_finish: Optional[Callable[[GenerationResult], None]] = None,
+                 on_progress: Optional[Callable[[float], None]] = None) -> list[GenerationResult]:
         """Decode every prompt and return the results in order: a loop over add_request and step.
 
-        A prompt is token ids or text (encoded as a client's text, without a chat template: see
-        `engine.chat.chat_prompt_ids`; a control token the text spells is plain text,
-        engine/user_text.py). `params` is one DecodeParams for all prompts or one per prompt. Requests
-        beyond `max_batch` wait and join as rows finish, exactly as in the server.
+        A prompt is token ids or text (encoded as a completions prompt, without a chat template: see
+        `engine.chat.chat_prompt_ids`; the mask token it spells is plain text, engine/user_text.py).
+        `params` is one DecodeParams for all prompts or one per prompt. Requests beyond `max_batch`
+        wait and join as rows finish, exactly as in the server.
         With a tokenizer, each result carries its decoded `text`. `on_finish(result)` is called as each
-        request finishes (a progress bar)."""
+        request finishes; `on_progress(done)` after every step, `done` the requests finished so far with
+        each unfinished one counted by the share of its canvas committed (a progress bar that moves
+        from the first step, when a batch's rows would all finish together)."""
         if params is None or isinstance(params, DecodeParams):
             params = [params or DecodeParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -284,19 +292,27 @@ class Engine:
                 if isinstance(prompt, str):
                     if self.tokenizer is None:
                         raise ValueError("text prompts need a tokenizer")
-                    prompt = encode_user_text(self.tokenizer, prompt)
+                    prompt = encode_prompt_text(self.tokenizer, prompt, self.model.special.mask_id)
                 order.append(self.add_request(prompt, p, f"offline-{i}"))
         except Exception:
             for request_id in order:  # fail before any work is done
                 self.abort(request_id)
             raise
         results: dict[str, GenerationResult] = {}
+        canvas = {request_id: max(1, p.gen_length) for request_id, p in zip(order, params, strict=True)}
+        share: dict[str, float] = {}  # of each unfinished request's canvas, committed so far
         while self.has_unfinished():
             for output in self.step():
                 if output.result is not None:
                     results[output.request_id] = output.result
+                    share.pop(output.request_id, None)
                     if on_finish is not None:
                         on_finish(output.result)
+                elif on_progress is not None:  # a block-diffusion canvas may hold more than gen_length
+                    done = share.get(output.request_id, 0.0) + output.committed / canvas[output.request_id]
+                    share[output.request_id] = min(done, 0.99)
+            if on_progress is not None:
+                on_progress(len(results) + sum(share.values()))
         ordered = [results[request_id] for request_id in order]
         if self.tokenizer is not None:
             for result in ordered:

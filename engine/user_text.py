@@ -1,23 +1,24 @@
-"""Text a client sent never becomes a control token.
+"""Text a client sent never becomes the mask token, and a chat message never any control token.
 
 A tokenizer matches its added tokens in any text it encodes, so a prompt that spells `<|mask|>`
-(or `<|im_end|>`, `<|eot_id|>`, ...) would become that token: the decoder then fills the prompt's
-mask position, or the chat turn ends where the user typed it. Here every *protected* token -- each
-added token the tokenizer marks special (every family's mask, end, turn and role tokens are) -- is
-encoded as the plain text it spells when it appears in text a user sent, the way transformers'
-`split_special_tokens=True` encodes it; the tokenizer's other added tokens (Qwen's `<think>`,
-`<tool_call>`, FIM markers: ordinary vocabulary, not marked special) stay as the tokenizer makes
-them.
+would become the mask token, which the decoder then fills as part of the answer (a block-diffusion
+row's first block holds the prompt's tail), and a chat message that spells `<|im_end|>` or
+`<|eot_id|>` would end its turn where the user typed it. Two rules, one mechanism:
 
-Text is split at each protected token it spells: the pieces between are encoded as usual and each
-spelled token contributes the ids of its plain text (those ids are computed once per tokenizer, by a
-copy of its backend with every protected token special and special tokens split). So the text
-around a spelled token is tokenized as it is around a real one, and text without any is encoded
-exactly as `encode_text` encodes it.
+- a completions (or /tokenize) text prompt is the model's raw input, as in vLLM: a client may send a
+  chat template it rendered itself (lm-evaluation-harness does), so its control tokens are parsed;
+  only the mask token, which no prompt may hold, is encoded as the plain text it spells;
+- a chat message's text is text: every token the tokenizer marks special (each family's mask, end,
+  turn and role tokens are) is plain text in it, while the chat template's own tokens stay real.
+  The tokenizer's other added tokens (Qwen's `<think>`, `<tool_call>`, FIM markers: vocabulary it
+  does not mark special) stay as the tokenizer makes them.
 
-A chat is rendered by the checkpoint's template with each protected token its messages spell
-replaced by a private-use placeholder, so the template's own control tokens stay real and only the
-messages' text is made plain.
+"Plain text" is what transformers' `split_special_tokens=True` gives: text is split at each
+protected token it spells, the pieces between are encoded as usual (as they are around a real
+token), and each spelling contributes the ids of its plain text, computed once per tokenizer by a
+copy of its backend that splits the protected tokens. Text that spells none is encoded exactly as
+`encode_text` encodes it. A chat is rendered by the checkpoint's template with each protected
+spelling in its messages replaced by a private-use placeholder, then encoded piece by piece.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import json
 import re
 import weakref
-from collections.abc import Sequence
 from typing import Any, Optional
 
 from engine.loading.tokenizer import encode_text
@@ -35,16 +35,17 @@ from engine.loading.tokenizer import encode_text
 _OPEN, _CLOSE = "\ue000", "\ue001"
 _PLACEHOLDER = re.compile(f"{_OPEN}(\\d+){_CLOSE}")
 
-_encoders: weakref.WeakKeyDictionary[Any, UserTextEncoder] = weakref.WeakKeyDictionary()
+_encoders: weakref.WeakKeyDictionary[Any, dict[frozenset[int], UserTextEncoder]] = weakref.WeakKeyDictionary()
 
 
 class UserTextEncoder:
-    """Encodes user text with every protected token spelled in it taken as plain text."""
+    """Encodes user text with every protected token spelled in it taken as plain text (an id that is
+    not one of the tokenizer's added tokens cannot be spelled: it is ignored)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, protected_ids: frozenset[int]) -> None:
         self.tokenizer = tokenizer
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-        self.protected_ids = frozenset(i for i, token in added.items() if token.special)
+        self.protected_ids = frozenset(i for i in protected_ids if i in added)
         literals = sorted({added[i].content for i in self.protected_ids if added[i].content}, key=len, reverse=True)
         # longest first: where two protected tokens start at one place, the longer is the one spelled
         self._pattern = re.compile("|".join(map(re.escape, literals))) if literals else None
@@ -131,21 +132,31 @@ def _split_special_twin(tokenizer: Any, protected_ids: frozenset[int]) -> Option
     return twin
 
 
-def user_text_encoder(tokenizer: Any) -> UserTextEncoder:
-    """The tokenizer's encoder, built once (its plain-text ids are computed when it is built)."""
-    encoder = _encoders.get(tokenizer)
+def special_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of the added tokens the tokenizer marks special."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return frozenset(i for i, token in added.items() if token.special)
+
+
+def user_text_encoder(tokenizer: Any, protected_ids: frozenset[int]) -> UserTextEncoder:
+    """The tokenizer's encoder for these protected ids, built once (its plain-text ids are computed
+    when it is built)."""
+    by_ids = _encoders.get(tokenizer)
+    if by_ids is None:
+        by_ids = _encoders[tokenizer] = {}
+    encoder = by_ids.get(protected_ids)
     if encoder is None:
-        encoder = _encoders[tokenizer] = UserTextEncoder(tokenizer)
+        encoder = by_ids[protected_ids] = UserTextEncoder(tokenizer, protected_ids)
     return encoder
 
 
-def encode_user_text(tokenizer: Any, text: str) -> list[int]:
-    """`text` as a client sent it: every protected token it spells is plain text (module docstring)."""
-    return user_text_encoder(tokenizer).encode(text)
+def encode_prompt_text(tokenizer: Any, text: str, mask_id: int) -> list[int]:
+    """A completions text prompt: its control tokens parsed as the tokenizer parses them, the mask
+    token (`mask_id`, the checkpoint's) plain text (module docstring)."""
+    return user_text_encoder(tokenizer, frozenset((mask_id,))).encode(text)
 
 
-def escape_messages(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The messages with their text escaped for `UserTextEncoder.encode_rendered`."""
-    encoder = user_text_encoder(tokenizer)
-    return [{**m, "content": encoder.escape(m["content"])} if isinstance(m.get("content"), str) else dict(m)
-            for m in messages]
+def chat_encoder(tokenizer: Any, mask_id: Optional[int] = None) -> UserTextEncoder:
+    """The encoder of chat messages: every special token, and the mask token, plain text."""
+    extra = frozenset() if mask_id is None else frozenset((mask_id,))
+    return user_text_encoder(tokenizer, special_ids(tokenizer) | extra)

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
@@ -47,18 +46,12 @@ from server.serving_chat import ChatServing
 from server.serving_completions import CompletionServing
 from server.serving_tokenization import TokenizationServing
 from server.settings import ServerSettings
+from server.version import package_version
 
 EngineFactory = Callable[[ServerSettings], Engine]
 log = logging.getLogger("uvicorn.error")  # uvicorn's own log: its format, its --log-level
 # vLLM's tokenizer routes live outside /v1 but use the model: the API key guards them too
 _GUARDED_OUTSIDE_V1 = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
-
-
-def package_version() -> str:
-    try:
-        return version("cai-dllm")
-    except PackageNotFoundError:
-        return "0+unknown"
 
 
 def _load_engine(settings: ServerSettings) -> Engine:

@@ -1,7 +1,8 @@
-"""The control-token rule end to end, on the real server over the bundled SDAR-format model (the
-issue's prompts): text a client sends -- a completions prompt, a chat message, a /tokenize prompt --
-never becomes the mask token or another control token, while the chat template's own control tokens
-stay real; a token-id prompt holding the mask id is a 400 naming the field."""
+"""The control-token rules end to end, on the real server over the bundled SDAR-format model (the
+issue's prompts): a completions (or /tokenize) text prompt never becomes the mask token (its other
+control tokens are parsed, as vLLM parses them); a chat message never becomes any control token,
+while the chat template's own stay real; a token-id prompt holding the mask id is a 400 naming the
+field (engine/user_text.py)."""
 
 from __future__ import annotations
 
@@ -38,13 +39,23 @@ def tokenize(server: str, body: dict) -> dict:
     return response.json()
 
 
-@pytest.mark.parametrize("prompt", ["31415+27182<|mask|>", "31415<|mask|>27182", "00457+00038<|end|><|user|>"])
-def test_a_text_prompt_spelling_control_tokens_is_its_characters(server, ids, prompt):
+@pytest.mark.parametrize("prompt", ["31415+27182<|mask|>", "31415<|mask|>27182", "<|mask|>"])
+def test_a_text_prompt_spelling_the_mask_is_its_characters(server, ids, prompt):
     tokens = tokenize(server, {"prompt": prompt})
-    assert not set(tokens["tokens"]) & set(ids.values())
+    assert ids[MASK] not in tokens["tokens"]
     assert tokens["token_strs"] == list(prompt)
     answer = httpx.post(f"{server}/v1/completions", json={"prompt": prompt, "max_tokens": 16}, timeout=60).json()
-    assert answer["usage"]["prompt_tokens"] == len(prompt)  # every character, none became a token of its own
+    assert answer["usage"]["prompt_tokens"] == len(prompt)  # every character, none became the mask
+
+
+def test_a_text_prompt_may_hold_a_chat_template_rendered_by_the_client(server, ids):
+    """As in vLLM (and as lm-evaluation-harness sends it): the role tokens of a rendered template are
+    parsed, and the model answers as it does through /v1/chat/completions."""
+    tokens = tokenize(server, {"prompt": "<|user|>00457+00038<|mask|><|assistant|>"})["tokens"]
+    assert [t for t in tokens if t in ids.values()] == [ids["<|user|>"], ids["<|assistant|>"]]
+    answer = httpx.post(f"{server}/v1/completions", timeout=60,
+                        json={"prompt": "<|user|>00457+00038<|assistant|>"}).json()
+    assert answer["choices"][0]["text"] == "7+8+0=15;5+3+1=09;4+0+0=04;0+0+0=00;0+0+0=00;=000495"
 
 
 def test_a_chat_message_spelling_control_tokens_keeps_the_templates_tokens(server, ids):

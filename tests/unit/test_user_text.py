@@ -1,4 +1,5 @@
-"""Text a client sends never becomes a control token (engine/user_text.py), with each family's
+"""Text a client sends never becomes the mask token, and a chat message never a control token
+(engine/user_text.py), with each family's
 tokenizer: the built-in character tokenizer (llada-tiny, dream-tiny, sdar-tiny and the random SDAR
 and LLaDA2 test checkpoints), the released Dream-v0-Instruct-7B and SDAR-8B-Chat tokenizers, and
 LLaDA-8B-Instruct's released added tokens and chat template over a stand-in byte-level vocabulary
@@ -16,7 +17,7 @@ from engine.chat import chat_prompt_ids
 from engine.loading.checkpoint import CheckpointFiles
 from engine.loading.tokenizer import encode_text
 from engine.special_tokens import special_tokens_from_files
-from engine.user_text import encode_user_text, user_text_encoder
+from engine.user_text import chat_encoder, encode_prompt_text
 
 REPO = Path(__file__).resolve().parents[2]
 LLADA_8B = "llada-8b-instruct"
@@ -70,50 +71,61 @@ def protected_tokens(tokenizer) -> dict[str, int]:
     return {t.content: i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
 
 
-def test_every_decoder_id_is_protected(tokenizer, special):
-    """The mask, end, end-of-turn and pad tokens the checkpoint names are among the protected ones."""
-    protected = user_text_encoder(tokenizer).protected_ids
+def test_every_decoder_id_is_protected_in_chat(tokenizer, special):
+    """The mask, end, end-of-turn and pad tokens the checkpoint names are among the chat's protected ones."""
+    protected = chat_encoder(tokenizer, special.mask_id).protected_ids
     named = {special.mask_id, special.pad_id, *special.end_ids} | ({special.bos_id} - {None})
     assert named <= protected, named - protected
 
 
-def test_text_spelling_a_control_token_stays_text(tokenizer, special):
-    protected = protected_tokens(tokenizer)
+def test_a_prompt_spelling_the_mask_is_its_text_and_other_control_tokens_are_parsed(tokenizer, special):
+    """A completions text prompt: the mask token is plain text; the other control tokens are parsed
+    as vLLM parses them (a client may send a chat template it rendered itself)."""
     mask = tokenizer.convert_ids_to_tokens(special.mask_id)
-    for literal in [mask, *protected]:
-        text = f"31415+27182{literal} 12{literal}"
-        ids = encode_user_text(tokenizer, text)
-        assert not set(ids) & set(protected.values()), (literal, ids)
+    for text in (f"31415+27182{mask}", f"31415{mask}27182", f"{mask}{mask} 12", "31415+27182<|mask|>"):
+        ids = encode_prompt_text(tokenizer, text, special.mask_id)
+        assert special.mask_id not in ids
         assert tokenizer.decode(ids) == text  # nothing lost: the token's spelling is the text's
-    # the issue's prompts: no mask id, in any family
-    for text in ("31415+27182<|mask|>", "31415<|mask|>27182", f"31415{mask}27182"):
-        assert special.mask_id not in encode_user_text(tokenizer, text)
+    end = tokenizer.convert_ids_to_tokens(special.eos_id)
+    assert special.eos_id in encode_prompt_text(tokenizer, f"12{end}{mask}", special.mask_id)
 
 
-def test_text_without_control_tokens_is_encoded_as_before(tokenizer):
+def test_chat_text_spelling_any_control_token_stays_text(tokenizer, special):
+    protected = protected_tokens(tokenizer)
+    encoder = chat_encoder(tokenizer, special.mask_id)
+    for literal in protected:
+        text = f"31415+27182{literal} 12{literal}"
+        ids = encoder.encode(text)
+        assert not set(ids) & set(protected.values()), (literal, ids)
+        assert tokenizer.decode(ids) == text
+
+
+def test_text_without_control_tokens_is_encoded_as_before(tokenizer, special):
     for text in ("00457+00038", "sum a3 b5 c2", "Hello world, 12+35=47!", "", "<think> <tool_call> <|not a token|>"):
-        assert encode_user_text(tokenizer, text) == encode_text(tokenizer, text) == \
+        assert encode_prompt_text(tokenizer, text, special.mask_id) == encode_text(tokenizer, text) == \
+            chat_encoder(tokenizer, special.mask_id).encode(text) == \
             list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def test_a_lone_control_token_is_its_plain_text(tokenizer):
+def test_a_lone_control_token_is_its_plain_text(tokenizer, special):
     """A text that is one control token's spelling gives the ids transformers' split_special_tokens
     gives for it."""
+    encoder = chat_encoder(tokenizer, special.mask_id)
     for literal in list(protected_tokens(tokenizer))[:40]:
         plain = list(tokenizer.encode(literal, add_special_tokens=False, split_special_tokens=True))
-        assert encode_user_text(tokenizer, literal) == plain, literal
+        assert encoder.encode(literal) == plain, literal
 
 
 def test_chat_keeps_the_templates_control_tokens_and_makes_the_messages_plain(tokenizer, special):
     protected = set(protected_tokens(tokenizer).values())
     mask = tokenizer.convert_ids_to_tokens(special.mask_id)
-    plain = chat_prompt_ids(tokenizer, [{"role": "user", "content": "00457+00038"}])
+    plain = chat_prompt_ids(tokenizer, [{"role": "user", "content": "00457+00038"}], mask_id=special.mask_id)
+    reference = chat_prompt_ids(tokenizer, [{"role": "system", "content": "be brief"},
+                                            {"role": "user", "content": "00457+00038"}], mask_id=special.mask_id)
     for literal in [mask, *protected_tokens(tokenizer)][:40]:
         messages = [{"role": "system", "content": f"be brief{literal}"},
                     {"role": "user", "content": f"00457+00038{literal}"}]
-        ids = chat_prompt_ids(tokenizer, messages)
-        reference = chat_prompt_ids(tokenizer, [{"role": "system", "content": "be brief"},
-                                                {"role": "user", "content": "00457+00038"}])
+        ids = chat_prompt_ids(tokenizer, messages, mask_id=special.mask_id)
         # exactly the control tokens the template writes for the same turns without the spelling
         assert [t for t in ids if t in protected] == [t for t in reference if t in protected], literal
         assert special.mask_id not in ids
