@@ -9,8 +9,8 @@ first starts `--busy` processes that spin for as long as the command runs, as a 
 cores (or a container over its CPU quota) would. Runs alternate between the settings, round after
 round, so a change in the machine's own load affects each alike; the 1-minute load average before
 each run is printed. Every run's answer is checked against the first run of the same command
-(`same`): the thread count and the wait policy change the time, never the result (eval's accuracy,
-score's numbers, generate's texts).
+(`same`): the thread count and the wait policy change the time, never the result (eval's table,
+score's numbers to 2 decimals, generate's texts).
 
     python bench/cli_threads.py --rounds 2 > bench/results/cli_threads_cpu.txt
 """
@@ -61,7 +61,9 @@ def answer(command: str, stdout: str) -> str:
     if command == "eval":  # the table without its timing columns (tok/s)
         rows = [line.split("|") for line in stdout.splitlines() if line.startswith("|")]
         return json.dumps([r[:7] + r[8:] if len(r) > 8 else r for r in rows])
-    return stdout
+    # score: each continuation's log-likelihood to 2 decimals (the thread count changes the order of
+    # floating-point sums, so the last digits may differ)
+    return json.dumps([round(json.loads(line)["logprob"], 2) for line in stdout.splitlines() if line.startswith("{")])
 
 
 def run_command(argv: list[str], threads: Optional[int], policy: str, busy: int) -> tuple[float, str]:

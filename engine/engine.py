@@ -14,6 +14,7 @@ advances and finishes rows from it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import time
@@ -200,9 +201,12 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def running_stats(self) -> dict[str, RequestStats]:
-        """The telemetry so far of every running request, by id (read it on the stepping thread,
-        between steps: a stream cut by a stop string reports the steps it took until then)."""
-        return {request.request_id: request.stats for request in self.scheduler.running}
+        """A copy of every running request's telemetry so far, by id, the steps of its unfinished
+        block included (call it on the stepping thread, between steps: a stream cut by a stop string
+        reports the steps it took until then)."""
+        return {r.request_id: dataclasses.replace(r.stats, steps_per_block=[*r.stats.steps_per_block, r.step]
+                                                  if r.step else list(r.stats.steps_per_block))
+                for r in self.scheduler.running}
 
     @property
     def num_waiting(self) -> int:

@@ -21,6 +21,7 @@ from typing import Any, Optional
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -52,6 +53,7 @@ EngineFactory = Callable[[ServerSettings], Engine]
 log = logging.getLogger("uvicorn.error")  # uvicorn's own log: its format, its --log-level
 # vLLM's tokenizer routes live outside /v1 but use the model: the API key guards them too
 _GUARDED_OUTSIDE_V1 = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
+DOCS_ASSETS = "/docs-assets"  # the interactive API pages' scripts and styles
 
 
 def _load_engine(settings: ServerSettings) -> Engine:
@@ -162,7 +164,10 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
         if state.loop is not None:
             state.loop.stop()
 
-    app = FastAPI(title="cai-dllm", version=package_version(), lifespan=lifespan)
+    # /docs and /redoc with their scripts served from the installed fastapi-offline package, not a
+    # CDN: the pages work on a machine without internet access (FastAPI's own load from jsDelivr)
+    app = FastAPIOffline(title="cai-dllm", version=package_version(), lifespan=lifespan,
+                         static_url=DOCS_ASSETS)
     app.state.cai = state
     openapi.install(app, state.limits)
 

@@ -11,7 +11,6 @@ unless the environment sets it; an empty `OMP_WAIT_POLICY=` keeps OpenMP's own d
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import MutableMapping
 from typing import Optional
 
@@ -20,14 +19,13 @@ DEFAULT_WAIT_POLICY = "PASSIVE"
 
 def configure_openmp(environ: Optional[MutableMapping[str, str]] = None) -> Optional[str]:
     """Set the wait policy in `environ` (the process's) unless it is set; returns the policy in force
-    (None: OpenMP's own default). Only effective before torch is imported: after, it changes nothing."""
+    (None: OpenMP's own default). Only effective before torch is imported: the runtime reads it once,
+    when torch loads it."""
     environ = os.environ if environ is None else environ
     policy = environ.get("OMP_WAIT_POLICY")
     if policy is None:
-        if "torch" not in sys.modules:
-            environ["OMP_WAIT_POLICY"] = DEFAULT_WAIT_POLICY
-            return DEFAULT_WAIT_POLICY
-        return None
+        environ["OMP_WAIT_POLICY"] = DEFAULT_WAIT_POLICY
+        return DEFAULT_WAIT_POLICY
     if not policy.strip():
         del environ["OMP_WAIT_POLICY"]  # asked for OpenMP's own default
         return None
