@@ -36,7 +36,7 @@ from server.settings import ServerSettings
 
 log = logging.getLogger("uvicorn.error")
 # The error codes of the rules a schema cannot state (docs/server.md): a schema-valid request is
-# answered, or refused with one of these (tests/test_fuzz.py checks exactly that).
+# answered, or refused with one of these (tests/operations/test_fuzz.py checks exactly that).
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 INVALID_DECODING = "invalid_decoding"  # a knob's range, or a rule between knobs (DecodeParams)
 TOO_MANY_CHOICES = "too_many_choices"  # n x prompts above --max-n
