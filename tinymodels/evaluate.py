@@ -151,11 +151,11 @@ def prompt_ids(engine: Engine, problem: Problem, form: str) -> list[int]:
 
 
 def evaluate(engine: Engine, problems: Sequence[Problem], configs: Sequence[EvalConfig], batch_size: int = 8,
-             progress: Optional[Any] = None, on_progress: Optional[Callable[[float], None]] = None,
+             progress: Optional[Any] = None, on_progress: Optional[Callable[[int, float], None]] = None,
              prompt_form: str = "chat") -> list[ConfigReport]:
     """Every configuration on every problem; `progress(report)` after each configuration,
-    `on_progress(done)` after every engine step, `done` the problems decoded so far over all
-    configurations, a problem being decoded counted by the share of its canvas committed."""
+    `on_progress(index, done)` after every engine step, `done` the problems of configuration `index`
+    decoded so far, a problem being decoded counted by the share of its canvas committed."""
     if engine.tokenizer is None:
         raise ValueError("evaluation needs the checkpoint's tokenizer")
     prompts = [prompt_ids(engine, p, prompt_form) for p in problems]
@@ -169,8 +169,7 @@ def evaluate(engine: Engine, problems: Sequence[Problem], configs: Sequence[Eval
         runner = Engine.from_model(engine.model, engine.tokenizer, batch_size)
         runner.generate(prompts[:1], params)
         start = time.perf_counter()
-        before = index * len(problems)
-        step_progress = (lambda done, before=before: on_progress(before + done)) if on_progress else None
+        step_progress = (lambda done, index=index: on_progress(index, done)) if on_progress else None
         results = runner.generate(prompts, params, on_progress=step_progress)
         report.seconds = time.perf_counter() - start
         for problem, result in zip(problems, results, strict=True):

@@ -71,11 +71,11 @@ def run(args: argparse.Namespace) -> int:
     source = args.data or f"built-in validation split (seed {args.seed})"
     print(f"# calibrating {args.model} on {len(items)} items of {source}; objective {args.objective}, "
           f"tolerance {args.tolerance}" + (f", budget {args.budget}" if args.budget else ""), flush=True)
+    # a bar per search stage (candidates x items), moved every engine step, with its own ETA
     progress = Progress(0, "items")
-    stage_start = [0.0]  # where the running stage's items start on the bar
 
     def on_stage(stage: str, candidates: int) -> None:
-        stage_start[0] = progress.grow(candidates * len(items), f"{stage} ({candidates} candidates) ")
+        progress.restart(candidates * len(items), f"{stage} ({candidates} candidates) ")
 
     try:
         profile, result = calibrate(
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
             budget=args.budget, gen_length=args.gen_length, block_length=args.block_length, cache=args.cache,
             refresh_interval=dual_cache_refresh(engine.architecture),
             theta_s_grid=args.theta_s_grid, theta_e_grid=args.theta_e_grid, on_stage=on_stage,
-            on_progress=lambda done: progress.at(stage_start[0] + done))
+            on_progress=progress.at)
     except ValueError as err:
         progress.close()
         return fail(err)

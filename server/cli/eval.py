@@ -68,10 +68,18 @@ def run(args: argparse.Namespace) -> int:
     print(f"# {args.n} held-out problems (seed {args.seed}, {args.prompt_form} prompts, mix {format_mix(mix)}) on "
           f"{hardware()}, model {args.model}, quantization {args.quantization}"
           f"{' (head too)' if args.quantize_head else ''}", flush=True)
-    # one bar over configurations x problems, moved every step, with its rate and ETA; each
-    # configuration's line above it
-    progress = Progress(len(configs) * len(problems), "problems")
-    reports = evaluate(engine, problems, configs, batch_size=args.batch_size, on_progress=progress.at,
+    # a bar per configuration, moved every step, with its rate and ETA (configurations differ in cost
+    # by up to 100x: one ETA over all of them would be the first one's guess); each result above it
+    progress = Progress(len(problems), "problems", f"{configs[0].name} [1/{len(configs)}] ")
+    running = [0]
+
+    def on_progress(index: int, done: float) -> None:
+        if index != running[0]:
+            running[0] = index
+            progress.restart(len(problems), f"{configs[index].name} [{index + 1}/{len(configs)}] ")
+        progress.at(done)
+
+    reports = evaluate(engine, problems, configs, batch_size=args.batch_size, on_progress=on_progress,
                        prompt_form=args.prompt_form,
                        progress=lambda r: progress.write(f"  {r.name}: {100 * r.correct / max(1, r.n):.1f}% in "
                                                          f"{r.seconds:.1f}s"))

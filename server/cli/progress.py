@@ -24,13 +24,10 @@ class Progress:
         if done > self.bar.n:
             self.bar.update(done - self.bar.n)
 
-    def grow(self, items: float, desc: str) -> float:
-        """Add `items` to the total (a new stage); returns where the stage starts."""
-        start = self.bar.total
-        self.bar.total += items
+    def restart(self, total: float, desc: str) -> None:
+        """A new stage of `total` items: the bar, its rate and its ETA start again."""
+        self.bar.reset(total=total)
         self.bar.set_description(desc)
-        self.bar.refresh()
-        return start
 
     def write(self, line: str) -> None:
         self.bar.write(line, file=sys.stderr)
