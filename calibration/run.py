@@ -12,19 +12,20 @@ from engine.chat import chat_prompt_ids
 from engine.decoding import DecodeParams
 from engine.decoding.profiles import DecodingProfile
 from engine.engine import Engine
-from engine.loading.tokenizer import encode_text
+from engine.user_text import encode_prompt_text
 
 
 def prompt_ids(engine: Engine, item: Item) -> list[int]:
     if "messages" in item.data:
-        return chat_prompt_ids(engine.tokenizer, item.data["messages"])
-    return encode_text(engine.tokenizer, item.data["prompt"])
+        return chat_prompt_ids(engine.tokenizer, item.data["messages"], mask_id=engine.model.special.mask_id)
+    return encode_prompt_text(engine.tokenizer, item.data["prompt"], engine.model.special.mask_id)
 
 
 def make_measure(engine: Engine, items: Sequence[Item], grader: Grader, gen_length: int,
-                 on_item: Optional[Callable[[], None]] = None) -> Measure:
+                 on_progress: Optional[Callable[[float], None]] = None) -> Measure:
     """A `measure` for the search: every candidate x every item in one `Engine.generate` call, so
-    rows of different candidates share the batch."""
+    rows of different candidates share the batch; `on_progress(done)` after each step, `done` the
+    (candidate, item) decodes of this call finished, one under way counted by its canvas committed."""
     if engine.tokenizer is None:
         raise ValueError("calibration needs the checkpoint's tokenizer")
     prompts = [prompt_ids(engine, item) for item in items]
@@ -34,7 +35,7 @@ def make_measure(engine: Engine, items: Sequence[Item], grader: Grader, gen_leng
                   for knobs in candidates]
         results = engine.generate([p for _ in candidates for p in prompts],
                                   [p for p in params for _ in prompts],
-                                  on_finish=(lambda _: on_item()) if on_item else None)
+                                  on_progress=on_progress)
         out = []
         for c in range(len(candidates)):
             chunk = results[c * len(items):(c + 1) * len(items)]
@@ -55,13 +56,13 @@ def calibrate(engine: Engine, items: Sequence[Item], grader: Grader, grader_name
               gen_length: int = 128, block_length: int = 32, cache: str = "dual", refresh_interval: int = 0,
               theta_s_grid: Optional[Sequence[float]] = None, theta_e_grid: Optional[Sequence[float]] = None,
               on_stage: Optional[Callable[[str, int], None]] = None,
-              on_item: Optional[Callable[[], None]] = None) -> tuple[DecodingProfile, SearchResult]:
+              on_progress: Optional[Callable[[float], None]] = None) -> tuple[DecodingProfile, SearchResult]:
     # no `steps`: it follows the canvas (one a position), so the profile fits any max_tokens
     base: dict[str, Any] = {"block_length": block_length, "cache": cache}
     if cache == "dual" and refresh_interval:
         base["refresh_interval"] = refresh_interval
     grids = {k: v for k, v in (("theta_s_grid", theta_s_grid), ("theta_e_grid", theta_e_grid)) if v}
-    result = search(make_measure(engine, items, grader, gen_length, on_item), reference_knobs(block_length),
+    result = search(make_measure(engine, items, grader, gen_length, on_progress), reference_knobs(block_length),
                     base, objective=objective, tolerance=tolerance, budget=budget, on_stage=on_stage, **grids)
     best, ref = result.best.measurement, result.reference.measurement
     validation = {

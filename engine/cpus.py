@@ -38,6 +38,16 @@ def default_threads(environ: Optional[Mapping[str, str]] = None) -> int:
     return min(cpus, int(omp)) if omp.isdigit() and int(omp) > 0 else cpus
 
 
+def set_threads(threads: Optional[int] = None) -> int:
+    """Size torch's intra-op pool: `threads`, or `default_threads()` when None. Process-wide: call it
+    before any work (the engine and every command do). Returns the count set."""
+    import torch
+
+    count = threads or default_threads()
+    torch.set_num_threads(count)
+    return count
+
+
 def cgroup_cpu_quota(proc_cgroup: Path = _PROC_CGROUP, cgroup_root: Path = _CGROUP_ROOT) -> Optional[float]:
     """The smallest CPU quota (in CPUs) on the way from this process's cgroup up to the root, or None
     when there is none (no limit, no cgroup file system, not Linux)."""

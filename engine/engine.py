@@ -14,6 +14,7 @@ advances and finishes rows from it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import time
@@ -25,13 +26,13 @@ import torch
 from engine import summary
 from engine.batch import Batch
 from engine.config import EngineConfig
-from engine.cpus import default_threads
+from engine.cpus import set_threads
 from engine.decoding.decide import decide_step
 from engine.decoding.params import DEFAULT_BLOCK_LENGTH, EDIT_POLICIES, DecodeParamError, DecodeParams, resolve_defaults
-from engine.decoding.types import GenerationResult
+from engine.decoding.types import GenerationResult, RequestStats
 from engine.dual_graphs import DualStepGraphs
 from engine.errors import CheckpointError, RequestError
-from engine.loading.tokenizer import encode_text, load_tokenizer
+from engine.loading.tokenizer import load_tokenizer
 from engine.loading.weights import load_model
 from engine.model_runner import ModelRunner
 from engine.models.transformer import DiffusionTransformer
@@ -39,13 +40,14 @@ from engine.request import Request, StepOutput
 from engine.scheduler import Scheduler
 from engine.scoring import ScoringJob, scoring_cost
 from engine.slots import Slots
+from engine.user_text import encode_prompt_text
 
 Prompt = Union[Sequence[int], str]
 
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
-        torch.set_num_threads(config.threads or default_threads())  # process-wide: before any work
+        set_threads(config.threads)  # process-wide: before any work
         model = load_model(config.model, device=config.device, dtype=config.dtype,
                            use_flash_attn=config.use_flash_attn, quantization=config.quantization,
                            quantize_head=config.quantize_head)
@@ -120,7 +122,9 @@ class Engine:
         return rows if self.tokenizer is None else min(rows, len(self.tokenizer))
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
-        """RequestError unless the prompt is non-empty token ids of this model's vocabulary."""
+        """RequestError unless the prompt is non-empty token ids of this model's vocabulary, without the
+        mask token (the decoder would fill a prompt's mask as part of the answer: a block-diffusion
+        row's first block holds the prompt's tail; text never encodes to it, engine/user_text.py)."""
         vocab = self.vocab_size
         if not prompt_ids:
             raise RequestError("prompt_ids must not be empty (a text prompt may encode to no token)",
@@ -128,6 +132,11 @@ class Engine:
         bad = next((t for t in prompt_ids if not 0 <= int(t) < vocab), None)
         if bad is not None:
             raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        mask = self.model.special.mask_id
+        at = next((i for i, t in enumerate(prompt_ids) if int(t) == mask), None)
+        if at is not None:
+            raise RequestError(f"prompt token {at} is the mask token (id {mask}), which marks the positions the "
+                               f"model decodes; a prompt may not hold it", code="mask_token_in_prompt")
 
     def validate(self, prompt_ids: Sequence[int], params: DecodeParams) -> DecodeParams:
         """The request's parameters with the model's defaults filled; RequestError if unusable."""
@@ -193,6 +202,14 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def running_stats(self) -> dict[str, RequestStats]:
+        """A copy of every running request's telemetry so far, by id, the steps of its unfinished
+        block included (call it on the stepping thread, between steps: a stream cut by a stop string
+        reports the steps it took until then)."""
+        return {r.request_id: dataclasses.replace(r.stats, steps_per_block=[*r.stats.steps_per_block, r.step]
+                                                  if r.step else list(r.stats.steps_per_block))
+                for r in self.scheduler.running}
 
     @property
     def num_waiting(self) -> int:
@@ -260,14 +277,18 @@ class Engine:
 
     def generate(self, prompts: Sequence[Prompt],
                  params: Optional[Union[DecodeParams, Sequence[DecodeParams]]] = None,
-                 on_finish: Optional[Callable[[GenerationResult], None]] = None) -> list[GenerationResult]:
+                 on_finish: Optional[Callable[[GenerationResult], None]] = None,
+                 on_progress: Optional[Callable[[float], None]] = None) -> list[GenerationResult]:
         """Decode every prompt and return the results in order: a loop over add_request and step.
 
-        A prompt is token ids or text (encoded as is, without a chat template:
-        see `engine.chat.chat_prompt_ids`). `params` is one DecodeParams for all prompts or one per
-        prompt. Requests beyond `max_batch` wait and join as rows finish, exactly as in the server.
+        A prompt is token ids or text (encoded as a completions prompt, without a chat template: see
+        `engine.chat.chat_prompt_ids`; the mask token it spells is plain text, engine/user_text.py).
+        `params` is one DecodeParams for all prompts or one per prompt. Requests beyond `max_batch`
+        wait and join as rows finish, exactly as in the server.
         With a tokenizer, each result carries its decoded `text`. `on_finish(result)` is called as each
-        request finishes (a progress bar)."""
+        request finishes; `on_progress(done)` after every step, `done` the requests finished so far with
+        each unfinished one counted by the share of its canvas committed (a progress bar that moves
+        from the first step, when a batch's rows would all finish together)."""
         if params is None or isinstance(params, DecodeParams):
             params = [params or DecodeParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -278,19 +299,27 @@ class Engine:
                 if isinstance(prompt, str):
                     if self.tokenizer is None:
                         raise ValueError("text prompts need a tokenizer")
-                    prompt = encode_text(self.tokenizer, prompt)
+                    prompt = encode_prompt_text(self.tokenizer, prompt, self.model.special.mask_id)
                 order.append(self.add_request(prompt, p, f"offline-{i}"))
         except Exception:
             for request_id in order:  # fail before any work is done
                 self.abort(request_id)
             raise
         results: dict[str, GenerationResult] = {}
+        canvas = {request_id: max(1, p.gen_length) for request_id, p in zip(order, params, strict=True)}
+        share: dict[str, float] = {}  # of each unfinished request's canvas, committed so far
         while self.has_unfinished():
             for output in self.step():
                 if output.result is not None:
                     results[output.request_id] = output.result
+                    share.pop(output.request_id, None)
                     if on_finish is not None:
                         on_finish(output.result)
+                elif on_progress is not None:  # a block-diffusion canvas may hold more than gen_length
+                    done = share.get(output.request_id, 0.0) + output.committed / canvas[output.request_id]
+                    share[output.request_id] = min(done, 0.99)
+            if on_progress is not None:
+                on_progress(len(results) + sum(share.values()))
         ordered = [results[request_id] for request_id in order]
         if self.tokenizer is not None:
             for result in ordered:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up a virtual environment from scratch and run the linter and the whole test suite.
-# torch is installed first, pinned, so the CPU build on this machine's disk is used instead of a
-# multi-GB CUDA download. The operations tests also drive Debian's prometheus, docker-compose and
+# torch is installed first, pinned, from the PyTorch CPU index as the Dockerfile and the README install
+# it (PyPI's Linux wheel is the multi-GB CUDA build); a machine whose pip already finds that wheel
+# locally (find-links) takes it from there, so one retry per package is enough for the index. The operations tests also drive Debian's prometheus, docker-compose and
 # nginx: installed here when running as root with apt (as on CI); elsewhere those tests skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +13,7 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
     nginx-light >/dev/null
 fi
 python3 -m venv "$VENV"
-"$VENV/bin/pip" install --quiet torch==2.13.0
+"$VENV/bin/pip" install --quiet --retries 1 --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 "$VENV/bin/pip" install --quiet -e '.[dev,ops,quant]'
 "$VENV/bin/ruff" check .
 PATH="$PWD/$VENV/bin:$PATH" "$VENV/bin/python" -m pytest "$@"

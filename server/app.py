@@ -16,12 +16,12 @@ import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -47,18 +47,13 @@ from server.serving_chat import ChatServing
 from server.serving_completions import CompletionServing
 from server.serving_tokenization import TokenizationServing
 from server.settings import ServerSettings
+from server.version import package_version
 
 EngineFactory = Callable[[ServerSettings], Engine]
 log = logging.getLogger("uvicorn.error")  # uvicorn's own log: its format, its --log-level
 # vLLM's tokenizer routes live outside /v1 but use the model: the API key guards them too
 _GUARDED_OUTSIDE_V1 = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
-
-
-def package_version() -> str:
-    try:
-        return version("cai-dllm")
-    except PackageNotFoundError:
-        return "0+unknown"
+DOCS_ASSETS = "/docs-assets"  # the interactive API pages' scripts and styles
 
 
 def _load_engine(settings: ServerSettings) -> Engine:
@@ -125,7 +120,7 @@ class AppState:
             return None
         return openapi.Limits(model=self.settings.model_name, max_model_len=loop.max_model_len,
                               max_n=self.settings.max_n, max_logprobs=loop.max_logprobs,
-                              vocab_size=loop.vocab_size,
+                              vocab_size=loop.vocab_size, mask_id=loop.mask_id,
                               profiles=tuple(self.serving.completions.profiles) if self.serving else ())
 
     def failure(self) -> Optional[tuple[str, str]]:
@@ -169,7 +164,10 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_e
         if state.loop is not None:
             state.loop.stop()
 
-    app = FastAPI(title="cai-dllm", version=package_version(), lifespan=lifespan)
+    # /docs and /redoc with their scripts served from the installed fastapi-offline package, not a
+    # CDN: the pages work on a machine without internet access (FastAPI's own load from jsDelivr)
+    app = FastAPIOffline(title="cai-dllm", version=package_version(), lifespan=lifespan,
+                         static_url=DOCS_ASSETS)
     app.state.cai = state
     openapi.install(app, state.limits)
 

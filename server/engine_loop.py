@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from engine import DecodeParams, Engine, GenerationResult, StepOutput
-from engine.decoding.types import TokenLogprob
+from engine.decoding.types import RequestStats, TokenLogprob
 from server.energy import EnergyMeter, share_energy
 from server.errors import QueueFull
 from server.metrics import Metrics
+from server.protocol import DecodingSummary
 from server.scoring_jobs import ScoringQueue
 
 _IDLE_WAIT = 0.05
@@ -46,6 +47,9 @@ class Event:
     joules: Optional[float] = None
     status: int = 500  # of an "error": 500 for our failure, 503 when shutting down
     code: Optional[str] = None
+    # a streamed delta's decoding summary so far: what its choice reports if the output path ends it
+    # here (a stop string, max_tokens), before the engine finishes the row
+    summary: Optional[DecodingSummary] = None
 
 
 @dataclass
@@ -95,6 +99,7 @@ class EngineLoop:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.end_ids = frozenset(model.special.end_ids)
+        self.mask_id = model.special.mask_id
         self.architecture = engine.architecture
         self.model_block_length = engine.model_block_length
         self.attention_backend = model.attention_backend
@@ -263,11 +268,12 @@ class EngineLoop:
                     sub.joules += shares.get(output.request_id, 0.0)
         now = time.perf_counter()
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Event]]] = {}
+        running = self.engine.running_stats() if any(sub is not None and sub.stream for sub in subs) else {}
         for sub, output in zip(subs, outputs, strict=True):
             m.labels(m.tokens_per_step).observe(output.committed)
             if sub is None:  # aborted while the step ran
                 continue
-            event = self._event(sub, output, now)
+            event = self._event(sub, output, now, running)
             if event is not None:
                 by_loop.setdefault(sub.loop, []).append((sub.queue, event))
             if output.finished:
@@ -276,7 +282,8 @@ class EngineLoop:
             loop.call_soon_threadsafe(_deliver, events)
         self._update_gauges()
 
-    def _event(self, sub: Submission, output: StepOutput, now: float) -> Optional[Event]:
+    def _event(self, sub: Submission, output: StepOutput, now: float,
+               running: dict[str, RequestStats]) -> Optional[Event]:
         m = self.metrics
         if sub.first_token is None and (output.new_token_ids or output.result is not None):
             sub.first_token = now
@@ -285,7 +292,10 @@ class EngineLoop:
             if not output.new_token_ids:
                 return None
             if sub.stream:
-                return Event("delta", sub.choice, ids=output.new_token_ids, logprobs=output.new_logprobs)
+                stats = running.get(output.request_id)
+                summary = None if stats is None else DecodingSummary.of(stats, self._joules(sub))
+                return Event("delta", sub.choice, ids=output.new_token_ids, logprobs=output.new_logprobs,
+                             summary=summary)
             sub.held.extend(output.new_token_ids)
             sub.held_logprobs.extend(output.new_logprobs)
             return None
@@ -296,8 +306,11 @@ class EngineLoop:
         if sub.held:
             ids, logprobs = (*sub.held, *ids), (*sub.held_logprobs, *logprobs)
             sub.held, sub.held_logprobs = [], []
-        joules = sub.joules if self.meter.name != "none" else None
-        return Event("done", sub.choice, ids=ids, logprobs=logprobs, result=output.result, joules=joules)
+        return Event("done", sub.choice, ids=ids, logprobs=logprobs, result=output.result, joules=self._joules(sub))
+
+    def _joules(self, sub: Submission) -> Optional[float]:
+        """The energy measured for this request so far; None without a meter (never an invented 0)."""
+        return sub.joules if self.meter.name != "none" else None
 
     def _observe_finish(self, sub: Submission, result: GenerationResult, now: float) -> None:
         m, stats = self.metrics, result.stats

@@ -93,6 +93,7 @@ class Limits:
     max_logprobs: int
     vocab_size: int
     profiles: tuple[str, ...] = ()
+    mask_id: Optional[int] = None  # a prompt may not hold it (400 mask_token_in_prompt)
 
 
 _GENERATION = ("CompletionRequest", "ChatCompletionRequest")
@@ -104,6 +105,13 @@ def _bound_integers(schema: dict[str, Any], **bounds: int) -> None:
     for branch in schema.get("anyOf", [schema]):
         if branch.get("type") == "integer":
             branch.update(bounds)
+
+
+def _bound_prompt_id(schema: dict[str, Any], largest_id: int, mask_id: Optional[int]) -> None:
+    """A prompt's token id: in the vocabulary, and never the mask token."""
+    schema["maximum"] = largest_id
+    if mask_id is not None:
+        schema["not"] = {"const": mask_id}
 
 
 def _apply_limits(doc: dict[str, Any], limits: Limits) -> None:
@@ -132,11 +140,11 @@ def _apply_limits(doc: dict[str, Any], limits: Limits) -> None:
             continue
         items = branch["items"]
         if items.get("type") == "integer":
-            items["maximum"] = largest_id
+            _bound_prompt_id(items, largest_id, limits.mask_id)
         else:  # several prompts: each is a completion
             branch["maxItems"] = limits.max_n
             if items.get("type") == "array":
-                items["items"]["maximum"] = largest_id
+                _bound_prompt_id(items["items"], largest_id, limits.mask_id)
     components["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] = largest_id
 
 

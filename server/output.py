@@ -128,8 +128,9 @@ class ChoiceOutput:
 
     def __init__(self, index: int, request_id: str, prompt_ids: Sequence[int], tokenizer: Optional[Any],
                  end_ids: Collection[int], stops: Sequence[str], max_tokens: Optional[int] = None,
-                 logprobs: bool = False) -> None:
+                 logprobs: bool = False, first_of_prompt: bool = True) -> None:
         self.index = index
+        self.first_of_prompt = first_of_prompt  # the prompt's tokens are counted with this choice only
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.tokenizer = tokenizer
@@ -147,6 +148,7 @@ class ChoiceOutput:
         self._logged_sent = 0
         self.echo: Optional[Echo] = None  # the prompt, when the request asked for it back
         self.result: Optional[GenerationResult] = None
+        self.summary_at_stop: Optional[Any] = None  # the decoding summary when the output path ended it
         self.finish_reason: Optional[str] = None
         self.joules: Optional[float] = None
         self.completion_count = 0  # set when the choice finishes (server.serving)

@@ -36,7 +36,7 @@ from server.settings import ServerSettings
 
 log = logging.getLogger("uvicorn.error")
 # The error codes of the rules a schema cannot state (docs/server.md): a schema-valid request is
-# answered, or refused with one of these (tests/test_fuzz.py checks exactly that).
+# answered, or refused with one of these (tests/operations/test_fuzz.py checks exactly that).
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 INVALID_DECODING = "invalid_decoding"  # a knob's range, or a rule between knobs (DecodeParams)
 TOO_MANY_CHOICES = "too_many_choices"  # n x prompts above --max-n
@@ -46,9 +46,10 @@ EMPTY_PROMPT = "empty_prompt"  # a text that encodes to no token
 SCORING_TOO_LARGE = "scoring_too_large"  # echo + logprobs above --max-score-tokens
 INVALID_UNICODE = "invalid_unicode"  # a lone surrogate escape in a string (valid JSON, not text)
 UNKNOWN_PROFILE = "unknown_profile"  # decoding.profile names no profile this server loaded
+MASK_TOKEN_IN_PROMPT = "mask_token_in_prompt"  # token-id prompt holding the mask id (engine.check_prompt)
 CROSS_FIELD_CODES = (CONTEXT_LENGTH_EXCEEDED, INVALID_DECODING, TOO_MANY_CHOICES, LOGPROBS_REQUIRED,
                      CHAT_TEMPLATE_ERROR, EMPTY_PROMPT, SCORING_TOO_LARGE, INVALID_UNICODE, UNKNOWN_PROFILE,
-                     DECODE_STEPS_EXCEEDED)
+                     DECODE_STEPS_EXCEEDED, MASK_TOKEN_IN_PROMPT)
 # Knobs an OpenAI/vLLM request field sets, over the decoding object's value
 _OPENAI_KNOBS = ("temperature", "seed", "top_p", "top_k", "min_p", "ignore_eos", "logprobs")
 # How often a request waiting on the engine checks whether its client is still there.
@@ -215,7 +216,8 @@ class ServingBase:
                 request_id = new_id("req")
                 submissions.append(Submission(request_id, ids, p, p_index * n + j, queue, loop, stream=body.stream))
                 choices.append(ChoiceOutput(p_index * n + j, request_id, ids, self.loop.tokenizer, end_ids,
-                                            body.stop_strings, max_tokens, logprobs=params.logprobs is not None))
+                                            body.stop_strings, max_tokens, logprobs=params.logprobs is not None,
+                                            first_of_prompt=j == 0))
         return choices, submissions
 
     def _submit(self, body: GenerateRequest, prompts: list[list[int]], max_tokens: Optional[int],
@@ -240,7 +242,8 @@ class ServingBase:
 
     def _record(self, choice: ChoiceOutput) -> None:
         m = self.metrics
-        m.labels(m.prompt_tokens).inc(len(choice.prompt_ids))
+        if choice.first_of_prompt:  # a prompt counts once, as in usage
+            m.labels(m.prompt_tokens).inc(len(choice.prompt_ids))
         choice.completion_count = choice.completion_tokens(self._count_tokens)  # counted once, at the finish
         m.labels(m.generation_tokens).inc(choice.completion_count)
         m.labels(m.request_success, finished_reason=choice.finish_reason).inc()
@@ -250,14 +253,20 @@ class ServingBase:
 
     @staticmethod
     def usage(choices: list[ChoiceOutput], so_far: bool = False) -> Usage:
-        """Tokens of the finished choices, or (`so_far`) those generated until now."""
-        prompt = sum(len(c.prompt_ids) for c in choices)
+        """Tokens of the finished choices, or (`so_far`) those generated until now; each prompt counts
+        once, however many choices it has (`n`), as vLLM and OpenAI count it."""
+        prompt = sum(len(c.prompt_ids) for c in choices if c.first_of_prompt)
         completion = sum(c.generated_count if so_far else c.completion_count for c in choices)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
     @staticmethod
     def summary(choice: ChoiceOutput) -> Optional[DecodingSummary]:
-        return None if choice.result is None else DecodingSummary.of(choice.result.stats, choice.joules)
+        """What the decoder did for the choice: its whole decode, or, when the output path ended it
+        first (a stop string or max_tokens in a stream), the steps it took until then; None when
+        nothing was decoded (max_tokens 0)."""
+        if choice.result is None:
+            return choice.summary_at_stop
+        return DecodingSummary.of(choice.result.stats, choice.joules)
 
     async def _next_event(self, queue: asyncio.Queue, deadline: float, watch: DisconnectWatch) -> Any:
         """The next engine event for this request; None if the client has gone; 504 past the deadline.
@@ -302,6 +311,7 @@ class ServingBase:
                 elif choice.stopped_early:  # the rest cannot change the answer: free the row now
                     self.loop.abort(choice.request_id)
                     choice.finish(None)
+                    choice.summary_at_stop = event.summary  # the steps it took until here
                 else:
                     piece = choice.take()
                     if piece:

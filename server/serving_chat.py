@@ -33,7 +33,7 @@ def chat_ids(loop: EngineLoop, chat: list[ChatMessage], add_generation_prompt: b
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in chat]
     try:
-        return chat_prompt_ids(tokenizer, messages, add_generation_prompt=add_generation_prompt)
+        return chat_prompt_ids(tokenizer, messages, add_generation_prompt=add_generation_prompt, mask_id=loop.mask_id)
     except Exception as err:  # the checkpoint's template refused these messages
         raise APIError(400, f"the chat template cannot render these messages: {err}", param="messages",
                        code=CHAT_TEMPLATE_ERROR) from None

@@ -8,7 +8,7 @@ from typing import Any, Optional
 from engine import RequestError
 from engine.decoding import DecodeParams
 from engine.decoding.types import TokenLogprob
-from engine.loading.tokenizer import encode_text
+from engine.user_text import encode_prompt_text
 from server.errors import APIError, QueueFull, ShuttingDown, engine_error
 from server.output import ChoiceOutput, Echo, LoggedToken, logged_tokens
 from server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage, now
@@ -59,7 +59,7 @@ class CompletionServing(ServingBase):
             if isinstance(item, str):
                 if self.loop.tokenizer is None:
                     raise APIError(400, "this model has no tokenizer: send prompts as token ids", param="prompt")
-                prompts.append(encode_text(self.loop.tokenizer, item))
+                prompts.append(encode_prompt_text(self.loop.tokenizer, item, self.loop.mask_id))
             else:
                 prompts.append(list(item))
         return prompts

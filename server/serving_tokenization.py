@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Union
 
-from engine.loading.tokenizer import encode_text
+from engine.user_text import encode_prompt_text
 from server.engine_loop import EngineLoop
 from server.errors import APIError
 from server.protocol import (
@@ -33,7 +33,7 @@ class TokenizationServing:
         else:
             if tokenizer is None:
                 raise APIError(400, "this model has no tokenizer", param="prompt")
-            ids = encode_text(tokenizer, body.prompt)
+            ids = encode_prompt_text(tokenizer, body.prompt, self.loop.mask_id)
         strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs and tokenizer is not None else None
         return TokenizeResponse(count=len(ids), max_model_len=self.loop.max_model_len, tokens=ids, token_strs=strs)
 

@@ -1,4 +1,4 @@
-"""schemathesis hooks for tests/test_fuzz.py (loaded through SCHEMATHESIS_HOOKS).
+"""schemathesis hooks for tests/operations/test_fuzz.py (loaded through SCHEMATHESIS_HOOKS).
 
 `accepted_unless_a_documented_rule_refuses`: every schema-valid request (the run generates only
 those) is answered with 2xx, or refused with 400 and one of the codes of the rules a JSON schema

@@ -26,7 +26,7 @@ import torch
 from engine.chat import chat_prompt_ids
 from engine.decoding import DecodeParams, GenerationResult
 from engine.engine import Engine
-from engine.loading.tokenizer import encode_text
+from engine.user_text import encode_prompt_text
 from tinymodels.checker import graded_part, is_correct
 from tinymodels.prompt_forms import PROMPT_FORMS
 from tinymodels.tasks import DEFAULT_MIX, Problem, sample
@@ -143,23 +143,25 @@ def _content_nfe(result: GenerationResult, end_ids: Sequence[int], block_length:
 def prompt_ids(engine: Engine, problem: Problem, form: str) -> list[int]:
     """The ids the server would decode for this problem sent in this form."""
     if form == "chat":
-        return chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": problem.prompt}])
+        return chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": problem.prompt}],
+                               mask_id=engine.model.special.mask_id)
     if form == "plain":
-        return encode_text(engine.tokenizer, problem.prompt)
+        return encode_prompt_text(engine.tokenizer, problem.prompt, engine.model.special.mask_id)
     raise ValueError(f"prompt form must be one of {', '.join(PROMPT_FORMS)}, got {form!r}")
 
 
 def evaluate(engine: Engine, problems: Sequence[Problem], configs: Sequence[EvalConfig], batch_size: int = 8,
-             progress: Optional[Any] = None, on_problem: Optional[Callable[[], None]] = None,
+             progress: Optional[Any] = None, on_progress: Optional[Callable[[int, float], None]] = None,
              prompt_form: str = "chat") -> list[ConfigReport]:
     """Every configuration on every problem; `progress(report)` after each configuration,
-    `on_problem()` after each problem decoded (a progress bar)."""
+    `on_progress(index, done)` after every engine step, `done` the problems of configuration `index`
+    decoded so far, a problem being decoded counted by the share of its canvas committed."""
     if engine.tokenizer is None:
         raise ValueError("evaluation needs the checkpoint's tokenizer")
     prompts = [prompt_ids(engine, p, prompt_form) for p in problems]
     end_ids = engine.model.special.end_ids
     reports = []
-    for config in configs:
+    for index, config in enumerate(configs):
         # the engine's defaults: a block-diffusion model decodes with the block it was trained with
         params = engine.default_params(DecodeParams.from_dict(config.params))
         report = ConfigReport(config.name, config.params)
@@ -167,7 +169,8 @@ def evaluate(engine: Engine, problems: Sequence[Problem], configs: Sequence[Eval
         runner = Engine.from_model(engine.model, engine.tokenizer, batch_size)
         runner.generate(prompts[:1], params)
         start = time.perf_counter()
-        results = runner.generate(prompts, params, on_finish=(lambda _: on_problem()) if on_problem else None)
+        step_progress = (lambda done, index=index: on_progress(index, done)) if on_progress else None
+        results = runner.generate(prompts, params, on_progress=step_progress)
         report.seconds = time.perf_counter() - start
         for problem, result in zip(problems, results, strict=True):
             text = result.text or ""

@@ -89,7 +89,7 @@ def predict(logits: torch.Tensor, sampled: Sequence[tuple[int, torch.Generator, 
     position again). A committed mask would leave its position masked, and a policy that commits
     until no mask is left (threshold) would loop forever on it; the official decoders do not guard
     this. It changes nothing where the mask is not the best token, as in every golden run of the
-    official code (tests/test_golden_decoding.py). Confidences still come from the full softmax."""
+    official code (tests/parity/test_golden_decoding.py). Confidences still come from the full softmax."""
     x0 = _best_but(logits, mask_id)
     if mask_rows is not None:
         x0 = torch.where(mask_rows[:, None], logits.argmax(dim=-1), x0)

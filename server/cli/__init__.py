@@ -9,13 +9,17 @@ from typing import Optional
 from server.cli import bench, calibrate, generate, inspect, score, serve, train
 from server.cli import eval as eval_command
 from server.cli.args import Parser
+from server.cli.openmp import configure_openmp
 
 COMMANDS = (inspect, generate, score, eval_command, serve, bench, calibrate, train)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from server.version import package_version
+
     parser = Parser(prog="cai-dllm", description="Convergence-aware inference server for diffusion language "
                                                  "models (LLaDA, Dream, LLaDA2, SDAR).")
+    parser.add_argument("--version", action="version", version=f"cai-dllm {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add_parser(sub)
@@ -23,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    configure_openmp()  # before anything imports torch (server/cli/openmp.py)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "generate" and not (args.prompt or args.prompt_ids):

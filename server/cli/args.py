@@ -79,7 +79,17 @@ def engine_flag_options() -> dict[str, dict[str, Any]]:
                                      "applied while loading: int8 (torchao), int4 (bitsandbytes NF4), "
                                      "fp8 (torchao; CUDA, compute capability 8.9+); see docs/operations.md"},
             "quantize_head": {"action": argparse.BooleanOptionalAction,
-                              "help": "quantize the output head too (kept in --dtype otherwise)"}}
+                              "help": "quantize the output head too (kept in --dtype otherwise)"},
+            "threads": {"type": int, "metavar": "N", "help": "torch CPU threads (intra-op pool); see "
+                                                             "docs/operations.md, 'CPU threads'"}}
+
+
+def threads_default() -> str:
+    """What --threads is when not given, in words (every command's, serve's included)."""
+    from engine.cpus import default_threads
+
+    return (f"the CPUs this process may use, by affinity, cgroup quota and OMP_NUM_THREADS: "
+            f"{default_threads()} here")
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, names: tuple[str, ...], **dests: str) -> None:
@@ -91,7 +101,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, names: tuple[str, ...], **
     for name in names:
         flag = dests.get(name, name)
         extra = dict(options[name])
-        extra["help"] += " (default: %(default)s)"
+        extra["help"] += f" (default: {threads_default()})" if name == "threads" else " (default: %(default)s)"
         parser.add_argument("--" + flag.replace("_", "-"), dest=flag, default=setting_default(name), **extra)
 
 

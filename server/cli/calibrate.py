@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
 from server.cli.args import MIX_HELP, add_engine_flags, fail, float_list, task_mix
@@ -38,7 +37,7 @@ def add_parser(sub: Any) -> None:
     cal.add_argument("--theta-s-grid", type=float_list, help="theta_s values of the threshold stage (0.8,0.9,0.99)")
     cal.add_argument("--theta-e-grid", type=float_list, help="theta_e values of the threshold stage (0.5,0.7,0.9)")
     add_engine_flags(cal, ("max_batch",), max_batch="batch_size")
-    add_engine_flags(cal, ("device", "dtype", "quantization", "quantize_head"))
+    add_engine_flags(cal, ("device", "dtype", "quantization", "quantize_head", "threads"))
     cal.add_argument("--name", default="calibrated", help="the profile's name (decoding.profile)")
     cal.add_argument("--out", default="calibrated.json", help="the profile file to write")
     cal.set_defaults(func=run)
@@ -62,23 +61,21 @@ def run(args: argparse.Namespace) -> int:
         grader = make_grader(grader_name)
         engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                                      max_batch=args.batch_size, quantization=args.quantization,
-                                     quantize_head=args.quantize_head))
+                                     quantize_head=args.quantize_head, threads=args.threads))
     except (CalibrationDataError, CheckpointError, DeviceError, ValueError) as err:
         return fail(err)
-    from tqdm import tqdm
-
     from calibration.run import calibrate
+    from server.cli.progress import Progress
     from tinymodels.evaluate import dual_cache_refresh
 
     source = args.data or f"built-in validation split (seed {args.seed})"
     print(f"# calibrating {args.model} on {len(items)} items of {source}; objective {args.objective}, "
           f"tolerance {args.tolerance}" + (f", budget {args.budget}" if args.budget else ""), flush=True)
-    bar = tqdm(total=0, unit="item", file=sys.stderr, dynamic_ncols=True)
+    # a bar per search stage (candidates x items), moved every engine step, with its own ETA
+    progress = Progress(0, "items")
 
     def on_stage(stage: str, candidates: int) -> None:
-        bar.total += candidates * len(items)
-        bar.set_description(f"{stage} ({candidates} candidates)")
-        bar.refresh()
+        progress.restart(candidates * len(items), f"{stage} ({candidates} candidates) ")
 
     try:
         profile, result = calibrate(
@@ -86,11 +83,11 @@ def run(args: argparse.Namespace) -> int:
             budget=args.budget, gen_length=args.gen_length, block_length=args.block_length, cache=args.cache,
             refresh_interval=dual_cache_refresh(engine.architecture),
             theta_s_grid=args.theta_s_grid, theta_e_grid=args.theta_e_grid, on_stage=on_stage,
-            on_item=lambda: bar.update())
+            on_progress=progress.at)
     except ValueError as err:
-        bar.close()
+        progress.close()
         return fail(err)
-    bar.close()
+    progress.close()
     ref, best = result.reference.measurement, result.best.measurement
     print(f"fixed decoder: {100 * ref.accuracy:.1f}% at {ref.nfe:.1f} forward passes an item")
     verdict = "" if result.feasible else " -- NO candidate met the objective; this is the closest"

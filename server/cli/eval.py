@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import TYPE_CHECKING, Any
 
 from server.cli.args import MIX_HELP, add_engine_flags, fail, task_mix
@@ -16,7 +15,7 @@ if TYPE_CHECKING:  # torch-free at import: `--help` answers at once
 def add_parser(sub: Any) -> None:
     ev = sub.add_parser("eval", help="compare decoding configurations on held-out built-in task problems")
     ev.add_argument("--model", required=True, help="a built-in model directory (models/llada-tiny, ...)")
-    ev.add_argument("--n", type=int, default=200, help="held-out problems")
+    ev.add_argument("--n", type=int, default=50, help="held-out problems")
     ev.add_argument("--seed", type=int, default=0, help="which held-out problems are drawn")
     ev.add_argument("--prompt-form", default="chat", choices=("chat", "plain"),
                     help="chat: the chat template (as /v1/chat/completions); plain: the bare problem text "
@@ -27,7 +26,7 @@ def add_parser(sub: Any) -> None:
     ev.add_argument("--gen-length", type=int, default=128, help="generation canvas of every configuration")
     ev.add_argument("--block-length", type=int, help="block length of every configuration (default: 32; a "
                                                      "block-diffusion model's trained block)")
-    add_engine_flags(ev, ("device", "dtype", "quantization", "quantize_head"))
+    add_engine_flags(ev, ("device", "dtype", "quantization", "quantize_head", "threads"))
     ev.add_argument("--mix", type=task_mix, help=MIX_HELP)
     ev.add_argument("--json", help="also write the full report to this file")
     ev.set_defaults(func=run)
@@ -50,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                                      max_batch=args.batch_size, quantization=args.quantization,
-                                     quantize_head=args.quantize_head))
+                                     quantize_head=args.quantize_head, threads=args.threads))
     except (CheckpointError, DeviceError, ValueError) as err:
         return fail(err)
     from engine.decoding import DecodeParams
@@ -62,19 +61,29 @@ def run(args: argparse.Namespace) -> int:
             configs = _chosen_configs(args.configs, configs, args.gen_length)
         except ValueError as err:
             return fail(err)
-    from tqdm import tqdm
+    from server.cli.progress import Progress
 
     mix = args.mix or model_mix(args.model)
     problems = held_out_problems(args.n, args.seed, mix)
     print(f"# {args.n} held-out problems (seed {args.seed}, {args.prompt_form} prompts, mix {format_mix(mix)}) on "
           f"{hardware()}, model {args.model}, quantization {args.quantization}"
           f"{' (head too)' if args.quantize_head else ''}", flush=True)
-    # one bar over configurations x problems, with its rate and ETA; each configuration's line above it
-    with tqdm(total=len(configs) * len(problems), unit="problem", file=sys.stderr, dynamic_ncols=True) as bar:
-        reports = evaluate(engine, problems, configs, batch_size=args.batch_size, on_problem=lambda: bar.update(),
-                           prompt_form=args.prompt_form,
-                           progress=lambda r: bar.write(f"  {r.name}: {100 * r.correct / max(1, r.n):.1f}% in "
-                                                        f"{r.seconds:.1f}s", file=sys.stderr))
+    # a bar per configuration, moved every step, with its rate and ETA (configurations differ in cost
+    # by up to 100x: one ETA over all of them would be the first one's guess); each result above it
+    progress = Progress(len(problems), "problems", f"{configs[0].name} [1/{len(configs)}] ")
+    running = [0]
+
+    def on_progress(index: int, done: float) -> None:
+        if index != running[0]:
+            running[0] = index
+            progress.restart(len(problems), f"{configs[index].name} [{index + 1}/{len(configs)}] ")
+        progress.at(done)
+
+    reports = evaluate(engine, problems, configs, batch_size=args.batch_size, on_progress=on_progress,
+                       prompt_form=args.prompt_form,
+                       progress=lambda r: progress.write(f"  {r.name}: {100 * r.correct / max(1, r.n):.1f}% in "
+                                                         f"{r.seconds:.1f}s"))
+    progress.close()
     print(format_table(reports))
     print()
     print(format_kind_table(reports))

@@ -15,7 +15,7 @@ def add_parser(sub: Any) -> None:
     gen.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     gen.add_argument("--prompt-ids", action="append", help="comma-separated prompt token ids (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap each --prompt as a user turn of the chat template")
-    add_engine_flags(gen, ("device", "dtype", "max_batch", "quantization", "quantize_head"))
+    add_engine_flags(gen, ("device", "dtype", "max_batch", "quantization", "quantize_head", "threads"))
     gen.add_argument("--json", action="store_true", help="print one JSON object per request")
     add_decode_flags(gen)
     gen.set_defaults(func=run)
@@ -24,10 +24,13 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from engine import CheckpointError, DeviceError, Engine, RequestError, load_model, load_tokenizer
     from engine.chat import chat_prompt_ids
+    from engine.cpus import set_threads
     from engine.decoding import DecodeParamError, DecodeParams
+    from engine.user_text import encode_prompt_text
 
     try:
         params = DecodeParams.from_dict(decode_overrides(args))
+        set_threads(args.threads)
         model = load_model(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
                            quantize_head=args.quantize_head)
         tokenizer = None
@@ -39,9 +42,10 @@ def run(args: argparse.Namespace) -> int:
         prompts: list[list[int]] = []
         for text in args.prompt or []:
             if args.chat:
-                prompts.append(chat_prompt_ids(tokenizer, [{"role": "user", "content": text}]))
+                prompts.append(chat_prompt_ids(tokenizer, [{"role": "user", "content": text}],
+                                               mask_id=model.special.mask_id))
             else:
-                prompts.append(list(tokenizer.encode(text, add_special_tokens=False)))
+                prompts.append(encode_prompt_text(tokenizer, text, model.special.mask_id))
         for ids in args.prompt_ids or []:
             prompts.append([int(t) for t in ids.split(",") if t.strip()])
         results = Engine.from_model(model, tokenizer, max_batch=args.max_batch).generate(prompts, params)

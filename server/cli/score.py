@@ -18,7 +18,7 @@ def add_parser(sub: Any) -> None:
     sc.add_argument("--chat", action="store_true", help="wrap --context as a user turn of the chat template")
     sc.add_argument("--samples", type=int, default=None, help="samples per split (default: the decoding default)")
     sc.add_argument("--seed", type=int, default=0, help="seeds the masks: the same seed, the same numbers")
-    add_engine_flags(sc, ("device", "dtype", "quantization", "quantize_head"))
+    add_engine_flags(sc, ("device", "dtype", "quantization", "quantize_head", "threads"))
     sc.add_argument("--json", action="store_true", help="print one JSON object per continuation")
     sc.set_defaults(func=run)
 
@@ -26,23 +26,32 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from engine import CheckpointError, DeviceError, Engine, EngineConfig, RequestError
     from engine.chat import chat_prompt_ids
-    from engine.loading.tokenizer import encode_text
+    from engine.user_text import encode_prompt_text
+    from server.cli.progress import Progress
 
     try:
         engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                                     quantization=args.quantization, quantize_head=args.quantize_head))
+                                     quantization=args.quantization, quantize_head=args.quantize_head,
+                                     threads=args.threads))
         if engine.tokenizer is None:
             raise CheckpointError("scoring text needs a checkpoint with a tokenizer")
-        context = (chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": args.context}]) if args.chat
-                   else encode_text(engine.tokenizer, args.context))
-        rows = []
-        for text in args.continuation:
-            ids = [*context, *encode_text(engine.tokenizer, text)]
-            values = engine.score(ids, args.samples, args.seed)[len(context):]
-            rows.append({"continuation": text, "logprob": sum(v for v in values if v is not None),
-                         "tokens": len(values), "token_logprobs": values})
+        mask = engine.model.special.mask_id
+        context = (chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": args.context}], mask_id=mask)
+                   if args.chat else encode_prompt_text(engine.tokenizer, args.context, mask))
+        # every job first (their masks drawn), so the bar knows the whole work: the tokens fed to the model
+        jobs = [engine.scoring_job([*context, *encode_prompt_text(engine.tokenizer, text, mask)], args.samples,
+                                   args.seed) for text in args.continuation]
     except (CheckpointError, DeviceError, RequestError, ValueError) as err:
         return fail(err)
+    progress = Progress(sum(job.total_tokens for job in jobs), "tokens", "scoring ", decimals=0)
+    rows = []
+    for text, job in zip(args.continuation, jobs, strict=True):
+        while not job.done:
+            progress.at(progress.bar.n + job.advance())
+        values = job.logprobs()[len(context):]
+        rows.append({"continuation": text, "logprob": sum(v for v in values if v is not None),
+                     "tokens": len(values), "token_logprobs": values})
+    progress.close()
     best = max(range(len(rows)), key=lambda i: rows[i]["logprob"])
     for i, row in enumerate(rows):
         if args.json:

@@ -10,7 +10,7 @@ from server.cli.args import add_setting, engine_flag_options, exit_now, fail, js
 
 
 def add_parser(sub: Any) -> None:
-    from engine.cpus import default_threads
+    from server.cli.args import threads_default
     from server.settings import LOG_LEVELS
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the bundled llada-tiny on CPU)",
@@ -19,7 +19,8 @@ def add_parser(sub: Any) -> None:
     add_setting(engine, "model", help="local checkpoint directory")
     aliases = {"max_batch": ("--max-num-seqs",), "quantization": ("-q",)}
     for name, options in engine_flag_options().items():
-        add_setting(engine, name, *aliases.get(name, ()), **options)
+        unset = {"unset": threads_default()} if name == "threads" else {}
+        add_setting(engine, name, *aliases.get(name, ()), **options, **unset)
     add_setting(engine, "max_model_len", type=int, help="prompt + canvas limit", unset="the model's context")
     add_setting(engine, "use_flash_attn", action=argparse.BooleanOptionalAction,
                  help="FlashAttention kernels", unset="when installed and usable")
@@ -31,9 +32,6 @@ def add_parser(sub: Any) -> None:
     add_setting(engine, "score_chunk_tokens", type=int,
                 help="most tokens one scoring forward feeds the model; a scoring request runs as such chunks "
                      "between decode steps, so a step waits on one at most")
-    add_setting(engine, "threads", type=int, help="torch CPU threads (intra-op pool); see docs/operations.md",
-                unset=f"the CPUs this process may use, by affinity, cgroup quota and OMP_NUM_THREADS: "
-                      f"{default_threads()} here")
     add_setting(engine, "cuda_graphs", action=argparse.BooleanOptionalAction,
                  help="run the dual-cache step as CUDA graphs, one per batch bucket (CUDA only)")
     sv = serve.add_argument_group("server")

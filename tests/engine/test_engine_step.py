@@ -20,7 +20,7 @@ from tinymodels.evaluate import held_out_problems
 # block-edit (LLaDA2.1's decoder) is for block-diffusion models only (the block tests below run it)
 ALL_POLICIES = sorted(p for p in POLICIES if p not in EDIT_POLICIES)
 # the output path does not depend on the policy's rule: the masked-diffusion decoders cover it (the
-# block decoders' rules are the rank and threshold rules again; tests/test_block_engine.py runs them)
+# block decoders' rules are the rank and threshold rules again; tests/engine/test_block_engine.py runs them)
 STREAMED_POLICIES = [p for p in ALL_POLICIES if not p.startswith("block-")]
 
 

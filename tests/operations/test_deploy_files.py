@@ -102,15 +102,30 @@ def test_provisioning_files_point_at_each_other():
     assert scrape["scrape_configs"][0]["static_configs"][0]["targets"] == ["server:8000"]
 
 
-def test_compose_file_validates():
+def test_compose_files_validate():
+    """The CPU stack runs as it is (the bundled model, no variable to set); the GPU override adds the
+    GPU, the checkpoint at MODEL_DIR and refuses to start without it."""
     compose = require_tool("docker-compose")
-    run = subprocess.run([compose, "-f", str(COMPOSE / "docker-compose.yml"), "config"], capture_output=True,
-                         text=True, env={**os.environ, "MODEL_DIR": str(MODEL)}, timeout=60)
-    assert run.returncode == 0, run.stderr
-    config = yaml.safe_load(run.stdout)
-    assert set(config["services"]) == {"server", "prometheus", "grafana"}
-    devices = config["services"]["server"]["deploy"]["resources"]["reservations"]["devices"]
-    assert devices[0]["capabilities"] == ["gpu"]
+    env = {k: v for k, v in os.environ.items() if k != "MODEL_DIR"}
+
+    def config(*files: str, **extra: str) -> subprocess.CompletedProcess:
+        args = [a for f in files for a in ("-f", str(COMPOSE / f))]
+        return subprocess.run([compose, *args, "config"], capture_output=True, text=True, env={**env, **extra},
+                              timeout=60)
+
+    cpu = config("docker-compose.yml")
+    assert cpu.returncode == 0, cpu.stderr
+    server = yaml.safe_load(cpu.stdout)["services"]["server"]
+    assert set(yaml.safe_load(cpu.stdout)["services"]) == {"server", "prometheus", "grafana"}
+    assert server["build"]["args"]["DEVICE"] == "cpu" and "deploy" not in server and "command" not in server
+    gpu = config("docker-compose.yml", "docker-compose.gpu.yml", MODEL_DIR=str(MODEL))
+    assert gpu.returncode == 0, gpu.stderr
+    server = yaml.safe_load(gpu.stdout)["services"]["server"]
+    assert server["build"]["args"]["DEVICE"] == "cuda" and "cuda" in server["command"]
+    assert server["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert any(str(MODEL) in str(volume) for volume in server["volumes"])
+    unset = config("docker-compose.yml", "docker-compose.gpu.yml")
+    assert unset.returncode != 0 and "MODEL_DIR" in unset.stderr
 
 
 def test_dockerfile_lints_clean():

@@ -1,4 +1,4 @@
-"""The official decoders' golden runs (../shared/fixtures/golden), reproduced by our engine.
+"""The official decoders' golden runs (tests/fixtures/golden), reproduced by our engine.
 
 Every golden file is either reproduced here or listed in NOT_REPRODUCED with the reason, so a new
 fixture cannot be skipped silently.

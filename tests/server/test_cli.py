@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -135,7 +136,7 @@ def test_help_does_not_wait_for_torch_and_every_option_says_what_it_does():
             if isinstance(action, argparse._SubParsersAction):
                 for name, sub in action.choices.items():
                     yield from options(sub, f"{path} {name}")
-            elif not isinstance(action, argparse._HelpAction):
+            elif not isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
                 yield path, action
 
     formatter = DefaultsFormatter("cai-dllm")
@@ -158,3 +159,36 @@ def test_inspect_block_diffusion_checkpoints(fixtures, llada2_dir):
     assert llada2.returncode == 0, llada2.stderr
     assert "LLaDA2" in llada2.stdout and "'mask': 97" in llada2.stdout and "'status': 'ok'" in llada2.stdout
     assert "8 routed, 2 per token" in llada2.stdout
+
+
+def test_every_cpu_command_takes_threads_with_serves_default():
+    from server.cli import build_parser
+    from server.cli.args import threads_default
+
+    parser = build_parser()
+    for argv in (["generate", "--model", "m", "--prompt", "p"], ["eval", "--model", "m"],
+                 ["score", "--model", "m", "--context", "c", "--continuation", "x"], ["calibrate", "--model", "m"],
+                 ["serve"]):
+        assert parser.parse_args(argv).threads is None  # None: EngineConfig's default, serve's
+        assert parser.parse_args([*argv, "--threads", "3"]).threads == 3
+        sub = parser._subparsers._group_actions[0].choices[argv[0]]  # type: ignore[union-attr]
+        (action,) = [a for a in sub._actions if "--threads" in a.option_strings]
+        assert threads_default() in sub.formatter_class(argv[0])._get_help_string(action)
+
+
+def test_openmp_wait_policy_is_set_once_before_torch():
+    from server.cli.openmp import configure_openmp
+
+    env: dict[str, str] = {}
+    assert configure_openmp(env) == "PASSIVE" and env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"OMP_WAIT_POLICY": "active"}
+    assert configure_openmp(env) == "active" and env == {"OMP_WAIT_POLICY": "active"}
+    env = {"OMP_WAIT_POLICY": ""}  # asks for OpenMP's own default
+    assert configure_openmp(env) is None and env == {}
+    # the command line sets it before anything imports torch (which reads it when it loads OpenMP)
+    probe = ("import os, sys\nfrom server.cli import main\ntry:\n    main(['--version'])\nexcept SystemExit:\n"
+             "    pass\nprint(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.stdout.split()[-2:] == ["PASSIVE", "False"], done.stderr

@@ -1,6 +1,6 @@
 """LLaDA2.1's decoder (`block-edit`) on hand-built tensors and summaries: the editing rule, its
 commits, its prediction over the whole vocabulary, and when its block ends (post steps, the step
-limit); the golden runs are in tests/test_block_golden.py."""
+limit); the golden runs are in tests/parity/test_block_golden.py."""
 
 from __future__ import annotations
 

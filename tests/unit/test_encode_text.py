@@ -28,7 +28,9 @@ def test_encode_text_matches_transformers_encode(tokenizer):
 
 
 def test_chat_prompt_ids_match_transformers_encode(tokenizer):
-    messages = [{"role": "user", "content": "What is 12+35? <|im_end|>"}]
+    """Messages that spell no control token: exactly transformers' rendering and encoding (one that
+    does is tests/unit/test_user_text.py's)."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 12+35? <think>"}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert chat_prompt_ids(tokenizer, messages) == list(tokenizer.encode(text, add_special_tokens=False))
 

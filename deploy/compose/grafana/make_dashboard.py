@@ -1,7 +1,7 @@
 """Writes dashboards/cai-dllm.json, the provisioned Grafana board: `python make_dashboard.py`.
 
-Every query names only metrics the server exports (tests/test_deploy_files.py checks it against a
-live /metrics page, and tests/test_prometheus.py runs each query against a real Prometheus)."""
+Every query names only metrics the server exports (tests/operations/test_deploy_files.py checks it against a
+live /metrics page, and tests/operations/test_prometheus.py runs each query against a real Prometheus)."""
 
 from __future__ import annotations
 
