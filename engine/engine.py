@@ -44,6 +44,19 @@ Prompt = Union[Sequence[int], str]
 
 
 class Engine:
+    # why a multi-process engine can no longer step (a worker died or hung: engine.parallel); a
+    # single-process engine has no such failure
+    fault: Optional[str] = None
+
+    def __new__(cls, config: Optional[EngineConfig] = None, *args: Any, **kwargs: Any) -> Engine:
+        """`Engine(config)` is rank 0 of a tensor-parallel group when config.tensor_parallel_size > 1
+        (engine.parallel.engine: it starts and drives the other ranks itself)."""
+        if cls is Engine and config is not None and config.tensor_parallel_size > 1:
+            from engine.parallel.engine import TensorParallelEngine
+
+            cls = TensorParallelEngine
+        return super().__new__(cls)
+
     def __init__(self, config: EngineConfig) -> None:
         torch.set_num_threads(config.threads or default_threads())  # process-wide: before any work
         model = load_model(config.model, device=config.device, dtype=config.dtype,
@@ -80,6 +93,12 @@ class Engine:
         self.block_causal = model.block_causal
         self._ids = itertools.count()
         self.reset()
+
+    def close(self) -> None:
+        """Stop what the engine started (a tensor-parallel group's workers); nothing here."""
+
+    def on_fault(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(reason)` if the engine faults (`fault`); a single-process engine never does."""
 
     def reset(self) -> None:
         """Drop every request, waiting or running (after a failed step)."""
