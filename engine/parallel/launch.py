@@ -43,6 +43,7 @@ log = logging.getLogger("cai_dllm.parallel")
 HOST = "127.0.0.1"  # one host: the group never listens beyond it (docs/operations.md, "Several GPUs")
 HEARTBEAT_SECONDS = 1.0  # how often rank 0 pings its workers
 STOP_GRACE_SECONDS = 10.0  # after "stop", how long a worker may take to exit before it is killed
+RENDEZVOUS_SECONDS = 300.0  # forming the group (see rendezvous_timeout)
 
 
 def rank_device(config: EngineConfig, rank: int) -> str:
@@ -78,15 +79,26 @@ def check_devices(config: EngineConfig) -> None:
                                   f"this machine has {count}")
 
 
+def rendezvous_timeout(config: EngineConfig) -> datetime.timedelta:
+    """How long forming the group may take: the ranks' interpreters start at once, but a busy host
+    can delay one by many seconds; never less than the collectives' own timeout."""
+    return datetime.timedelta(seconds=max(config.distributed_timeout, RENDEZVOUS_SECONDS))
+
+
 def init_rank(config: EngineConfig, rank: int, port: int, store: Optional[dist.TCPStore] = None) -> None:
-    """Join the group as `rank` (rank 0 passes the store it opened)."""
-    timeout = datetime.timedelta(seconds=config.distributed_timeout)
+    """Join the group as `rank` (rank 0 passes the store it opened), then bound its collectives by
+    `distributed_timeout`."""
     if config.device.startswith("cuda"):
         torch.cuda.set_device(rank)
     if store is None:
-        store = dist.TCPStore(HOST, port, config.tensor_parallel_size, False, timeout=timeout)
+        store = dist.TCPStore(HOST, port, config.tensor_parallel_size, False, timeout=rendezvous_timeout(config))
     dist.init_process_group(backend(config), store=store, rank=rank, world_size=config.tensor_parallel_size,
-                            timeout=timeout)
+                            timeout=rendezvous_timeout(config))
+    from torch.distributed import distributed_c10d
+
+    # torch's setter of a formed group's timeout (no public one); without it the rendezvous bound stays
+    if hasattr(distributed_c10d, "_set_pg_timeout"):
+        distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=config.distributed_timeout))
 
 
 @dataclass
@@ -123,8 +135,7 @@ class WorkerGroup:
 
         check_devices(config)
         size = config.tensor_parallel_size
-        timeout = datetime.timedelta(seconds=config.distributed_timeout)
-        store = dist.TCPStore(HOST, 0, size, True, wait_for_workers=False, timeout=timeout)
+        store = dist.TCPStore(HOST, 0, size, True, wait_for_workers=False, timeout=rendezvous_timeout(config))
         context = multiprocessing.get_context("spawn")
         workers = []
         for rank in range(1, size):
@@ -232,8 +243,7 @@ class WorkerGroup:
         death is what broke the step's collective)."""
         dead = next((w for w in self.workers if not w.process.is_alive()), None)
         if dead is not None:
-            self.fail(f"tensor-parallel worker rank {dead.rank} (pid {dead.process.pid}) exited with code "
-                      f"{dead.process.exitcode}" + (f": {dead.error}" if dead.error else ""))
+            self.fail(self._exited(dead))
             return
         cause = f" ({type(error).__name__}: {error})" if error is not None else ""
         self.fail(f"a step failed on rank 0{cause}; the tensor-parallel ranks cannot be brought back into step")
@@ -281,8 +291,7 @@ class WorkerGroup:
                     while worker.conn.poll():  # its last words (a traceback) come before its exit
                         if not self._receive(worker):
                             break
-                    self.fail(f"tensor-parallel worker rank {worker.rank} (pid {worker.process.pid}) exited with "
-                              f"code {worker.process.exitcode}" + (f": {worker.error}" if worker.error else ""))
+                    self.fail(self._exited(worker))
                     return
             now = time.monotonic()
             silent = [w for w in self.workers if now - w.answered > self.config.distributed_timeout]
@@ -300,6 +309,12 @@ class WorkerGroup:
                             worker.conn.send(("ping",))
                         except (BrokenPipeError, ConnectionResetError, OSError):
                             pass  # its exit is reported through its sentinel
+
+    @staticmethod
+    def _exited(worker: _Worker) -> str:
+        worker.process.join(STOP_GRACE_SECONDS)  # its sentinel fires as it exits: reap it for its code
+        return (f"tensor-parallel worker rank {worker.rank} (pid {worker.process.pid}) exited with code "
+                f"{worker.process.exitcode}" + (f": {worker.error}" if worker.error else ""))
 
     def _receive(self, worker: _Worker) -> bool:
         try:

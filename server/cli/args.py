@@ -79,7 +79,14 @@ def engine_flag_options() -> dict[str, dict[str, Any]]:
                                      "applied while loading: int8 (torchao), int4 (bitsandbytes NF4), "
                                      "fp8 (torchao; CUDA, compute capability 8.9+); see docs/operations.md"},
             "quantize_head": {"action": argparse.BooleanOptionalAction,
-                              "help": "quantize the output head too (kept in --dtype otherwise)"}}
+                              "help": "quantize the output head too (kept in --dtype otherwise)"},
+            "tensor_parallel_size": {"type": int,
+                                     "help": "split the model across this many processes, one a GPU with --device "
+                                             "cuda (docs/operations.md, 'Several GPUs')"}}
+
+
+# short spellings vLLM users type
+ENGINE_FLAG_ALIASES = {"tensor_parallel_size": ("-tp",)}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, names: tuple[str, ...], **dests: str) -> None:
@@ -92,7 +99,8 @@ def add_engine_flags(parser: argparse.ArgumentParser, names: tuple[str, ...], **
         flag = dests.get(name, name)
         extra = dict(options[name])
         extra["help"] += " (default: %(default)s)"
-        parser.add_argument("--" + flag.replace("_", "-"), dest=flag, default=setting_default(name), **extra)
+        parser.add_argument("--" + flag.replace("_", "-"), *ENGINE_FLAG_ALIASES.get(name, ()), dest=flag,
+                            default=setting_default(name), **extra)
 
 
 def add_setting(parser: Any, name: str, *aliases: str, unset: str = "", **options: Any) -> None:
