@@ -19,3 +19,11 @@ def forward(replica: Replica, args: tuple, kwargs: dict[str, Any]) -> torch.Tens
 def shard_shapes(replica: Replica) -> dict[str, tuple[int, ...]]:
     """Every parameter's shape on this rank."""
     return {name: tuple(p.shape) for name, p in replica.engine.model.named_parameters()}
+
+
+def experts_quantized(replica: Replica) -> bool:
+    """Whether every routed expert this rank holds is a quantized linear pair (no stacked float weight)."""
+    from engine.models.moe import GroupedExperts
+
+    stacked = [m for m in replica.engine.model.modules() if isinstance(m, GroupedExperts)]
+    return bool(stacked) and all(m.gate_up_proj is None and m.quantized is not None for m in stacked)

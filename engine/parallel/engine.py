@@ -37,13 +37,11 @@ from engine.engine import Engine
 from engine.errors import CheckpointError, TensorParallelError
 from engine.loading.checkpoint import CheckpointFiles
 from engine.loading.tokenizer import load_tokenizer
-from engine.loading.weights import load_model
 from engine.models.registry import model_class_for
 from engine.parallel.calls import Replica
-from engine.parallel.group import TensorParallel
-from engine.parallel.launch import WorkerGroup, rank_device, rank_threads
+from engine.parallel.launch import WorkerGroup, rank_threads
 from engine.parallel.sharding import check_divisible
-from engine.parallel.worker import resolve_call
+from engine.parallel.worker import ModelFactory, rank_model, resolve_call
 from engine.request import Request
 from engine.scheduler import Scheduler
 from engine.scoring import ScoringJob
@@ -99,21 +97,22 @@ class ReplicatedScoringJob(ScoringJob):
 
 
 class TensorParallelEngine(Engine):
-    def __init__(self, config: EngineConfig) -> None:
-        size = config.tensor_parallel_size
-        checkpoint = CheckpointFiles.open(config.model)
-        check_divisible(model_class_for(checkpoint.config).parse_config(checkpoint.config), size)  # before spawning
+    def __init__(self, config: EngineConfig, model_factory: Optional[ModelFactory] = None) -> None:
+        """`model_factory` builds each rank's model instead of loading it (`worker.rank_model`)."""
+        if model_factory is None:
+            checkpoint = CheckpointFiles.open(config.model)
+            check_divisible(model_class_for(checkpoint.config).parse_config(checkpoint.config),
+                            config.tensor_parallel_size)  # before spawning
         torch.set_num_threads(rank_threads(config))
-        self.workers = WorkerGroup.start(config)
-        try:  # rank 0 loads its shard while the workers load theirs
-            model = load_model(config.model, device=rank_device(config, 0), dtype=config.dtype,
-                               use_flash_attn=config.use_flash_attn, quantization=config.quantization,
-                               quantize_head=config.quantize_head, tp=TensorParallel(0, size))
-            tokenizer: Optional[Any]
-            try:
-                tokenizer = load_tokenizer(config.model)
-            except CheckpointError:
-                tokenizer = None
+        self.workers = WorkerGroup.start(config, model_factory)
+        try:  # rank 0 builds its shard while the workers build theirs
+            model = rank_model(config, 0, model_factory)
+            tokenizer: Optional[Any] = None
+            if model_factory is None:
+                try:
+                    tokenizer = load_tokenizer(config.model)
+                except CheckpointError:
+                    pass
             self.workers.wait_ready()
         except BaseException:
             self.workers.close()

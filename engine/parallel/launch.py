@@ -128,7 +128,7 @@ class WorkerGroup:
     # ------------------------------------------------------------------ start-up
 
     @classmethod
-    def start(cls, config: EngineConfig) -> WorkerGroup:
+    def start(cls, config: EngineConfig, factory: Optional[tuple[str, dict[str, Any]]] = None) -> WorkerGroup:
         """Spawn ranks 1..N-1 and form the group with this process as rank 0. TensorParallelError
         (with the worker's reason) if a worker fails before it joins."""
         from engine.parallel.worker import worker_main
@@ -140,7 +140,8 @@ class WorkerGroup:
         workers = []
         for rank in range(1, size):
             ours, theirs = context.Pipe()
-            process = context.Process(target=worker_main, args=(config, rank, store.port, theirs, os.getpid()),
+            process = context.Process(target=worker_main,
+                                      args=(config, rank, store.port, theirs, os.getpid(), factory),
                                       name=f"cai-dllm-tp{rank}", daemon=True)
             process.start()
             theirs.close()

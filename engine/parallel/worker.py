@@ -22,7 +22,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Optional
 
 from engine.config import EngineConfig
 
@@ -42,14 +42,35 @@ def resolve_call(path: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection, parent: int) -> None:
+# A rank's model built by a function instead of loaded: `module:function` called with (tp, device,
+# **kwargs) on every rank (the benchmarks' random shards, bench/random_models.py)
+ModelFactory = tuple[str, dict[str, Any]]
+
+
+def rank_model(config: EngineConfig, rank: int, factory: Optional[ModelFactory] = None) -> Any:
+    """Rank `rank`'s share of the model: loaded from the checkpoint, or built by `factory`."""
+    from engine.loading.weights import load_model
+    from engine.parallel.group import TensorParallel
+    from engine.parallel.launch import rank_device
+
+    tp = TensorParallel(rank, config.tensor_parallel_size)
+    if factory is not None:
+        path, kwargs = factory
+        return resolve_call(path)(tp, rank_device(config, rank), **kwargs)
+    return load_model(config.model, device=rank_device(config, rank), dtype=config.dtype,
+                      use_flash_attn=config.use_flash_attn, quantization=config.quantization,
+                      quantize_head=config.quantize_head, tp=tp)
+
+
+def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection, parent: int,
+                factory: Optional[ModelFactory] = None) -> None:
     # Ctrl-C reaches the whole process group: rank 0 drains and then stops the workers itself
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_when_orphaned, args=(parent,), name="cai-dllm-tp-orphan", daemon=True).start()
     code = 0
     try:
         conn.send(("spawned",))
-        _serve(config, rank, port, conn)
+        _serve(config, rank, port, conn, factory)
     except (EOFError, BrokenPipeError, ConnectionResetError):  # rank 0 is gone
         code = 1
     except BaseException:
@@ -66,21 +87,16 @@ def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection, pa
     os._exit(code)  # no interpreter teardown: torch's threads must not outlive a clean exit code
 
 
-def _serve(config: EngineConfig, rank: int, port: int, conn: Connection) -> None:
+def _serve(config: EngineConfig, rank: int, port: int, conn: Connection, factory: Optional[ModelFactory]) -> None:
     import torch
 
     from engine.engine import Engine
-    from engine.loading.weights import load_model
     from engine.parallel.calls import Replica
-    from engine.parallel.group import TensorParallel
-    from engine.parallel.launch import init_rank, rank_device, rank_threads
+    from engine.parallel.launch import init_rank, rank_threads
 
     torch.set_num_threads(rank_threads(config))
     init_rank(config, rank, port)
-    model = load_model(config.model, device=rank_device(config, rank), dtype=config.dtype,
-                       use_flash_attn=config.use_flash_attn, quantization=config.quantization,
-                       quantize_head=config.quantize_head, tp=TensorParallel(rank, config.tensor_parallel_size))
-    replica = Replica(Engine.from_model(model, max_batch=config.max_batch), rank)
+    replica = Replica(Engine.from_model(rank_model(config, rank, factory), max_batch=config.max_batch), rank)
     conn.send(("ready",))
     while True:
         message = conn.recv()

@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from engine import DecodeParams, Engine, EngineConfig, load_model
 from engine.errors import TensorParallelError
 from engine.host_reads import count_host_reads
+from engine.models.moe import GroupedExperts
 from engine.models.registry import model_class_for
 from engine.parallel.sharding import check_divisible
 
@@ -263,6 +264,37 @@ def test_likelihood_scoring_at_tp2_equals_tp1(family: Family) -> None:
     assert got[1:] == pytest.approx(want[1:], abs=1e-4)
 
 
+@pytest.mark.parametrize("device, dtype, kernel", [
+    ("cpu", torch.float32, "plain"),
+    pytest.param("cuda", torch.bfloat16, "grouped_mm", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="grouped_mm's documented device is CUDA (bf16); no GPU here")),
+])
+def test_routed_experts_split_across_ranks_sum_to_the_whole(device: str, dtype: torch.dtype, kernel: str) -> None:
+    """Expert parallelism without a group: two ranks' GroupedExperts (each its half of the experts,
+    the same global routing) add up to one device's, whichever kernel runs them."""
+    hidden, inner, experts, tokens, top_k = 64, 32, 8, 50, 2
+    gen = torch.Generator(device=device).manual_seed(0)
+    whole = GroupedExperts(hidden, inner, experts).to(device, dtype)
+    halves = [GroupedExperts(hidden, inner, experts, r * experts // 2, experts // 2).to(device, dtype) for r in (0, 1)]
+    with torch.no_grad():
+        for param in (whole.gate_up_proj.weight, whole.down_proj.weight):
+            param.normal_(0, 0.1, generator=gen)
+        for rank, half in enumerate(halves):
+            for mine, theirs in ((half.gate_up_proj, whole.gate_up_proj), (half.down_proj, whole.down_proj)):
+                rows = mine.weight.shape[0]
+                mine.weight.copy_(theirs.weight[rank * rows:(rank + 1) * rows])
+        x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen)
+        ids = torch.stack([torch.randperm(experts, device=device, generator=gen)[:top_k] for _ in range(tokens)])
+        weights = torch.rand(tokens, top_k, device=device, generator=gen)
+        for module in (whole, *halves):
+            module.kernel = kernel
+        want = whole(x, ids, weights).float()
+        got = halves[0](x, ids, weights).float() + halves[1](x, ids, weights).float()
+    # float32: summation order only; bf16: each rank rounds its partial sum to bf16 once
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    assert ((got - want).norm() / want.norm()).item() < tolerance
+
+
 def test_a_size_that_does_not_divide_the_model_is_refused_naming_both_numbers() -> None:
     hf = json.loads((FIXTURES / "llada_tiny" / "config.json").read_text())
     heads = model_class_for(hf).parse_config(hf).num_heads
@@ -270,6 +302,30 @@ def test_a_size_that_does_not_divide_the_model_is_refused_naming_both_numbers() 
     with pytest.raises(TensorParallelError, match=rf"--tensor-parallel-size {size} does not divide the model's "
                                                    rf"{heads} attention heads"):
         Engine(EngineConfig(model=str(FIXTURES / "llada_tiny"), tensor_parallel_size=size))
+
+
+def test_quantized_experts_at_tp2_track_the_float_model(tmp_path: Path) -> None:
+    """--quantization int8 at TP2 on the fixtures' MoE model: every rank's routed experts quantized,
+    the logits as far from the float model's as TP1's int8 logits are. (A row-parallel layer's rows are
+    quantized per rank, over that rank's columns: not TP1's scales, so not TP1's int8 numbers.)"""
+    pytest.importorskip("torchao", reason="int8 needs torchao (pip install 'cai-dllm[quant]')")
+    checkpoint = block_fixture("llada2", tmp_path)
+    engine = Engine(EngineConfig(model=str(checkpoint), tensor_parallel_size=SIZE, quantization="int8"))
+    try:
+        assert engine.collective_rpc("tp_calls:experts_quantized", results=True) == [True] * SIZE
+        [(args, kwargs)] = _forward_cases(Family("llada2", checkpoint, None, None))[:1]
+        with torch.no_grad():
+            want = load_model(checkpoint)(*args, **kwargs)
+            one_rank = load_model(checkpoint, quantization="int8")(*args, **kwargs)
+        [got] = engine.collective_rpc("tp_calls:forward", args, kwargs)
+    finally:
+        engine.close()
+
+    def error(logits: torch.Tensor) -> float:
+        return ((logits - want).norm() / want.norm()).item()
+
+    assert 0 < error(got) < 1.2 * error(one_rank)  # ~0.142 both on the fixture (its routing flips a few experts)
+    assert ((got - one_rank).norm() / one_rank.norm()).item() < 0.02  # ~0.008: the per-rank scales
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < SIZE, reason=f"needs {SIZE} CUDA GPUs (NCCL); this machine has "
