@@ -257,9 +257,10 @@ class EngineLoop:
         with self._lock:
             failed, self._active = list(self._active.values()), {}
             self.engine.reset()  # the failed step may have left rows half advanced
-        if self.engine.fault is not None:  # the step failed because the engine did (a worker died)
-            self._active = {sub.request_id: sub for sub in failed}
-            return  # the loop's next turn ends everything on the fault
+        if self.engine.fault is not None:  # the step failed because the engine did (a worker died):
+            with self._lock:  # the loop's next turn ends everything on the fault
+                self._active.update((sub.request_id, sub) for sub in failed)
+            return
         for sub in failed:
             sub.post(Event("error", sub.choice, message=message))
 

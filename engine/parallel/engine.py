@@ -50,7 +50,9 @@ _SEED_BITS = 62  # a drawn sampling seed (DecodeParams.seed takes any integer >=
 
 
 class ReplicatingScheduler(Scheduler):
-    """Rank 0's scheduler: logs every add and abort, and sends the log ahead of each step."""
+    """Rank 0's scheduler: logs every add and abort, and sends the log ahead of each step. It relies
+    on `Scheduler` taking `self._lock` in add, abort and schedule (made reentrant here) and on a
+    `Request` pickling as it was added (the workers' schedulers take the copies)."""
 
     def __init__(self, max_batch: int, device: torch.device, workers: WorkerGroup) -> None:
         super().__init__(max_batch, device)

@@ -23,6 +23,7 @@ from fixture_checkpoints import block_fixture
 from safetensors.torch import load_file
 
 from engine import DecodeParams, Engine, EngineConfig, load_model
+from engine.decoding.params import EDIT_POLICIES, POLICIES
 from engine.errors import TensorParallelError
 from engine.host_reads import count_host_reads
 from engine.models.moe import GroupedExperts
@@ -190,23 +191,23 @@ def test_golden_runs_token_for_token_at_tp2(family: Family) -> None:
 # ---- the step composed at TP2 -------------------------------------------------------------------
 
 def _workload(family: Family) -> list[tuple[list[int], DecodeParams]]:
-    """More requests than rows, every kind of row the family has: policies, caches, sampling with a
-    seed, logprobs, guidance."""
+    """More requests than rows, one per decoding policy the family takes, across its caches, with
+    seeded sampling, logprobs and (LLaDA) guidance on some."""
     block = family.name in ("sdar", "llada2")
     if block:
-        policies = ["cai", "block-dynamic", "block-edit", "block-static", "threshold"]
+        policies = [p for p in POLICIES if not p.startswith("dream-")]
         caches = ["exact", "none"]
     else:
-        policies = ["cai", "threshold", "fixed", "dream-entropy" if family.name == "dream" else "cai"]
+        policies = [p for p in POLICIES if p not in EDIT_POLICIES]
         caches = ["none", "prefix", "dual"]
     work = []
-    for i in range(6):
-        params = DecodeParams(policy=policies[i % len(policies)], cache=caches[i % len(caches)], gen_length=16,
+    for i, policy in enumerate(policies):
+        params = DecodeParams(policy=policy, cache=caches[i % len(caches)], gen_length=16,
                               block_length=4 if block or i % 2 else 8, threshold=0.5,
                               logprobs=2 if i % 3 == 0 else None,
                               temperature=0.7 if i == 4 else 0.0, seed=i, ignore_eos=True,
                               cfg_scale=1.0 if i == 3 and family.name == "llada" else 0.0)
-        if params.policy.startswith("dream-"):
+        if policy.startswith("dream-"):
             params = params.with_overrides(block_length=None, cache="none")
         if params.cfg_scale:
             params = params.with_overrides(cache="none")
@@ -262,6 +263,68 @@ def test_likelihood_scoring_at_tp2_equals_tp1(family: Family) -> None:
     got = family.engine.score(prompt, samples=3, seed=1)
     assert got[0] is None and want[0] is None
     assert got[1:] == pytest.approx(want[1:], abs=1e-4)
+
+
+def _expected_shard(whole_module: Any, whole: torch.Tensor, mine: Any, rank: int) -> torch.Tensor:
+    """This rank's part of a whole parameter, by the layout `tp_split` names (the loader's reads,
+    re-derived on tensors)."""
+    split = getattr(mine, "tp_split", None)
+    if split == "out" and hasattr(whole_module, "shard_offsets"):
+        parts = []
+        for name, (start, size) in whole_module.shard_offsets.items():
+            local = mine.shard_offsets[name][1]
+            parts.append(whole[start:start + size][rank * local:(rank + 1) * local])
+        return torch.cat(parts)
+    if split == "in":
+        columns = whole.shape[1] // SIZE
+        return whole[:, rank * columns:(rank + 1) * columns]
+    if split == "vocab":
+        rows = -(-whole.shape[0] // SIZE)
+        part = whole[rank * rows:(rank + 1) * rows]
+        return torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])
+    if split == "experts":
+        rows = whole.shape[0] // SIZE
+        return whole[rank * rows:(rank + 1) * rows]
+    return whole
+
+
+@pytest.mark.parametrize("name", ["llada", "dream", "sdar", "llada2"])
+def test_each_rank_loads_exactly_its_slices_and_reads_little_else(name: str, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading needs no process group: each rank's parameters are the slices of the whole model's
+    it should hold, and it reads from the files about its share of the bytes (plus what it holds
+    whole), never the whole checkpoint."""
+    from engine.loading import weights
+    from engine.parallel.group import TensorParallel
+
+    checkpoint = _checkpoint(name, tmp_path)
+    whole = load_model(checkpoint)
+    file_bytes = sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))
+    replicated = sum(p.nbytes for n, p in whole.named_parameters() if "norm" in n or "router" in n)
+    for rank in range(SIZE):
+        read = [0]
+
+        def counting_open(path: Any, *args: Any, read: list = read, **kwargs: Any) -> Any:
+            handle = open(path, *args, **kwargs)
+            original = handle.readinto
+
+            def readinto(buffer: Any) -> int:
+                got = original(buffer)
+                read[0] += got or 0
+                return got
+
+            handle.readinto = readinto
+            return handle
+
+        monkeypatch.setattr(weights, "open", counting_open, raising=False)
+        mine = load_model(checkpoint, tp=TensorParallel(rank, SIZE))
+        monkeypatch.undo()
+        for param_name, param in mine.named_parameters():
+            module_name = param_name.rsplit(".", 1)[0]
+            expected = _expected_shard(whole.get_submodule(module_name), whole.get_parameter(param_name),
+                                       mine.get_submodule(module_name), rank)
+            assert torch.equal(param, expected), param_name
+        assert 0 < read[0] <= (file_bytes - replicated) / SIZE + replicated + file_bytes * 0.02, (rank, read[0])
 
 
 @pytest.mark.parametrize("device, dtype, kernel", [

@@ -181,3 +181,20 @@ def test_generate_at_tp2_prints_tp1_tokens() -> None:
     assert all(run.returncode == 0 for run in runs), [run.stderr for run in runs]
     one, two = (json.loads(run.stdout) for run in runs)
     assert two["generated_ids"] == one["generated_ids"] and two["text"] == ANSWER
+
+
+def test_the_flag_reaches_the_engine_config_on_every_command() -> None:
+    from server.cli import build_parser
+    from server.settings import load_settings, setting_names
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "-tp", "2", "--distributed-timeout", "30"])
+    settings = load_settings({name: getattr(args, name, None) for name in setting_names()}, environ={})
+    assert (settings.engine.tensor_parallel_size, settings.engine.distributed_timeout) == (2, 30.0)
+    assert load_settings({}, environ={"CAI_DLLM_TENSOR_PARALLEL_SIZE": "4"}).engine.tensor_parallel_size == 4
+    for command in (["generate", "--model", "m", "--prompt", "x"], ["eval", "--model", "m"],
+                    ["score", "--model", "m", "--context", "c", "--continuation", "x"], ["calibrate", "--model", "m"]):
+        assert parser.parse_args([*command, "--tensor-parallel-size", "2"]).tensor_parallel_size == 2
+        assert parser.parse_args(command).tensor_parallel_size == 1
+    with pytest.raises(ValueError, match="cuda_graphs is not available with tensor_parallel_size > 1"):
+        EngineConfig(model="m", device="cuda", cuda_graphs=True, tensor_parallel_size=2)
