@@ -54,6 +54,6 @@ def state_digest(replica: Replica) -> str:
     return digest.hexdigest()
 
 
-def call_result(value: Any) -> Any:
-    """Identity (for `collective_rpc` tests of the call path itself)."""
+def call_result(replica: Replica, value: Any) -> Any:
+    """`value` back from every rank (a test of the call path itself)."""
     return value

@@ -134,6 +134,9 @@ class WorkerGroup:
         from engine.parallel.worker import worker_main
 
         check_devices(config)
+        if dist.is_initialized():  # the group is torch.distributed's default one: one per process
+            raise TensorParallelError("this process already holds a tensor-parallel engine (or another "
+                                      "torch.distributed group): close it before starting another")
         size = config.tensor_parallel_size
         store = dist.TCPStore(HOST, 0, size, True, wait_for_workers=False, timeout=rendezvous_timeout(config))
         context = multiprocessing.get_context("spawn")

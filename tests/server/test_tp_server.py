@@ -111,17 +111,20 @@ def test_tp2_answers_the_readme_streams_aborts_scores_and_stops_with_no_process_
     assert logprobs[0] is None and logprobs[1:] == pytest.approx(offline[1:], abs=1e-4)  # TP1's estimates
 
 
-@pytest.mark.parametrize("model", ["dream-tiny", "sdar-tiny"])
-def test_tp2_serves_the_other_built_in_models(model: str) -> None:
+@pytest.mark.parametrize("model, stop", [("dream-tiny", signal.SIGTERM), ("sdar-tiny", signal.SIGKILL)])
+def test_tp2_serves_the_other_built_in_models(model: str, stop: signal.Signals) -> None:
+    """...and whether the server is stopped (SIGTERM) or killed (SIGKILL: its workers notice their
+    parent is gone and exit), no process of it is left."""
     path = MODEL.parent / model
     if not (path / "model.safetensors").is_file():
         pytest.skip(f"{model} is not committed")
     with running_server("--model", str(path), "-tp", "2") as (base, proc):
         family = _descendants(proc.pid)
+        assert _workers(proc.pid)
         answer = httpx.post(f"{base}/v1/chat/completions", json=CHAT, timeout=120).json()
         assert is_correct("00457+00038", answer["choices"][0]["message"]["content"]), answer
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
+        proc.send_signal(stop)
+        assert proc.wait(60) == (0 if stop == signal.SIGTERM else -signal.SIGKILL)
     _wait_for(lambda: not any(_alive(pid) for pid in family), "every process of the server gone", timeout=30)
 
 
