@@ -111,7 +111,8 @@ def test_tp2_answers_the_readme_streams_aborts_scores_and_stops_with_no_process_
     assert logprobs[0] is None and logprobs[1:] == pytest.approx(offline[1:], abs=1e-4)  # TP1's estimates
 
 
-@pytest.mark.parametrize("model, stop", [("dream-tiny", signal.SIGTERM), ("sdar-tiny", signal.SIGKILL)])
+@pytest.mark.parametrize("model, stop", [("dream-tiny", signal.SIGTERM), ("sdar-tiny", signal.SIGKILL)],
+                         ids=["dream-tiny-sigterm", "sdar-tiny-sigkill"])
 def test_tp2_serves_the_other_built_in_models(model: str, stop: signal.Signals) -> None:
     """...and whether the server is stopped (SIGTERM) or killed (SIGKILL: its workers notice their
     parent is gone and exit), no process of it is left."""
