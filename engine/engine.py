@@ -97,9 +97,6 @@ class Engine:
     def close(self) -> None:
         """Stop what the engine started (a tensor-parallel group's workers); nothing here."""
 
-    def on_fault(self, callback: Callable[[str], None]) -> None:
-        """Call `callback(reason)` if the engine faults (`fault`); a single-process engine never does."""
-
     def reset(self) -> None:
         """Drop every request, waiting or running (after a failed step)."""
         self.scheduler = Scheduler(self.max_batch, self.model.device)

@@ -10,7 +10,7 @@ them. Rank 0 forwards each call that changes state, in order, as one message on 
   goes out as the head of the next step, which the workers replay before stepping. Rank 0 sends
   it from inside its own `schedule()`, holding that lock, so a request added while a step is being
   scheduled goes to the next step on every rank alike;
-- a scoring chunk (`ReplicatedScoringJob.advance`), a reset, and `collective_rpc` calls.
+- a scoring chunk (`ReplicatedScoringJob.advance`) and `collective_rpc` calls.
 
 Sampling: a request that samples without a seed gets one drawn on rank 0 before it is forwarded,
 so every rank's generator draws alike; a seeded request gives the same tokens at any N.
@@ -127,9 +127,6 @@ class TensorParallelEngine(Engine):
     @property
     def fault(self) -> Optional[str]:  # type: ignore[override]
         return self.workers.fault
-
-    def on_fault(self, callback: Any) -> None:
-        self.workers.on_fault(callback)
 
     def close(self) -> None:
         self.workers.close()

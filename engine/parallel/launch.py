@@ -4,13 +4,13 @@
 inherited CUDA state), each with a pipe to rank 0, then forms the `torch.distributed` group on a
 TCP store that rank 0 opens on a free port of 127.0.0.1 (gloo on CPU, NCCL on CUDA, rank r on
 cuda:r). Tensors move only through the group's collectives; the pipes carry rank 0's calls (a
-step and the requests it admits, a scoring chunk, a reset, a heartbeat) and the workers' answers.
+step and the requests it admits, a scoring chunk, a heartbeat) and the workers' answers.
 A call waits on its pipe as long as the server idles, which a collective could not: every
 collective has the group's timeout (`EngineConfig.distributed_timeout`), so a hung peer raises
 instead of blocking forever.
 
 Liveness (`_monitor`, a thread): a worker that exits, or that does not answer a heartbeat within the
-timeout, is a fault: every worker is stopped, `fault` says why, and the callbacks run (the server
+timeout, is a fault: every worker is stopped and `fault` says why (the server's engine loop sees it,
 fails /health and exits non-zero). No orphan on any exit path: `close` (also at interpreter exit)
 stops the workers and kills any that do not stop; a worker whose rank 0 is gone exits by itself
 (`engine.parallel.worker`).
@@ -26,7 +26,6 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -118,7 +117,6 @@ class WorkerGroup:
         self.config = config
         self.workers = workers
         self.fault: Optional[str] = None
-        self._on_fault: list[Callable[[str], None]] = []
         self._results: queue.Queue[tuple[int, Any]] = queue.Queue()
         self._closing = False
         self._lock = threading.Lock()
@@ -220,27 +218,17 @@ class WorkerGroup:
             answers[rank] = value
         return [answers[w.rank] for w in self.workers]
 
-    def on_fault(self, callback: Callable[[str], None]) -> None:
-        """Call `callback(reason)` once the group faults (at once if it has)."""
-        with self._lock:
-            if self.fault is None:
-                self._on_fault.append(callback)
-                return
-        callback(self.fault)
-
     # ------------------------------------------------------------------ faults and shutdown
 
     def fail(self, reason: str) -> None:
-        """The group cannot go on: stop every worker, record why, tell the callbacks (once)."""
+        """The group cannot go on: record why (once; the engine reports it as `Engine.fault`) and
+        stop every worker."""
         with self._lock:
             if self.fault is not None or self._closing:
                 return
             self.fault = reason
-            callbacks, self._on_fault = self._on_fault, []
         log.error("tensor parallel: %s; stopping every worker", reason)
         self._stop_workers(grace=0.0)
-        for callback in callbacks:
-            callback(reason)
 
     def fail_step(self, error: Optional[BaseException]) -> None:
         """A step failed on rank 0: a fault, blamed on a worker that has exited if there is one (its

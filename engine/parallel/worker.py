@@ -114,8 +114,6 @@ def _serve(config: EngineConfig, rank: int, port: int, conn: Connection, factory
             value = resolve_call(path)(replica, *args)
             if reply:
                 conn.send(("result", value))
-        elif kind == "reset":
-            replica.engine.reset()
         elif kind == "ping":
             conn.send(("pong",))
         elif kind == "stop":
