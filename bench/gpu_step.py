@@ -20,6 +20,7 @@ SDAR and LLaDA2 decode in the block-causal mode: their rows (cache `exact`; step
 
     python bench/gpu_step.py                       # H100/H200: real shapes, bf16
     python bench/gpu_step.py --shapes tiny --device cpu --dtype float32 --prompt-len 64 --gen-len 64 --block 16
+    python bench/gpu_step.py -tp 2                 # two GPUs against one (bench/tp_step.py)
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from block_step import BLOCK_MODELS, run_block_model
 from random_models import build_random
 from roofline import CACHED, FULL, ModelDims, measure_rates, step_bytes, step_flops, step_shape, sync
+from tp_step import add_arguments as add_tp_arguments
+from tp_step import run_tensor_parallel
 
 # The repository's fixtures (tests/fixtures), or where CAI_DLLM_FIXTURES says (as for the tests).
 FIXTURES = Path(os.environ.get("CAI_DLLM_FIXTURES", Path(__file__).resolve().parents[1] / "tests" / "fixtures"))
@@ -62,6 +65,12 @@ TINY_OVERRIDES: dict[str, dict[str, int]] = {
     "llada": {"d_model": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "mlp_hidden_size": 688},
     "dream": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
               "intermediate_size": 688},
+}
+# Mid-size shapes: LLaDA-8B's at 1/8 of the width, all 32 layers (bench/quant_speed.py's mid-size model)
+MID_OVERRIDES: dict[str, dict[str, int]] = {
+    "llada": {"d_model": 512, "n_layers": 32, "n_heads": 4, "n_kv_heads": 4, "mlp_hidden_size": 1536},
+    "dream": {"hidden_size": 512, "num_hidden_layers": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 1536},
 }
 
 
@@ -90,6 +99,8 @@ def model_spec(name: str, shapes: str, real_dir: Path = REAL_DIR) -> ModelSpec:
     hf = dict(checkpoint.config)
     if shapes == "tiny":
         hf.update(TINY_OVERRIDES[name])
+    elif shapes == "mid":
+        hf.update(MID_OVERRIDES[name])
     elif shapes != "real":
         raise ValueError(f"unknown shapes {shapes!r}")
     return ModelSpec(name, hf, checkpoint)
@@ -197,7 +208,8 @@ def time_steps(model: DiffusionTransformer, prompts: list[tuple[int, ...]], cach
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", choices=("real", "tiny"), default="real")
+    parser.add_argument("--shapes", choices=("real", "mid", "tiny"), default="real",
+                        help="mid: llada and dream at 1/8 of the width (for a CPU run)")
     parser.add_argument("--models", nargs="+", choices=(*MODELS, *BLOCK_MODELS), default=[*MODELS, *BLOCK_MODELS],
                         help="sdar and llada2 run the block-causal step (bench/block_step.py); --caches, "
                              "--gen-len and --quantization apply to llada and dream only")
@@ -227,6 +239,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     parser.add_argument("--real-dir", type=Path, default=REAL_DIR, help="folder with the released configs")
+    add_tp_arguments(parser)
     args = parser.parse_args(argv)
     if args.gen_len % args.block:
         parser.error(f"--block {args.block} must divide --gen-len {args.gen_len}")
@@ -308,6 +321,9 @@ def _run(args: argparse.Namespace, argv_shown: list[str]) -> None:
     print(f"# prompt {args.prompt_len} + gen {args.gen_len}, block {args.block}, fixed policy 1 token/step; "
           f"median of {args.repeats} block starts (full) and {args.repeats}x{k} steps 1..{k} (cached), first block")
     print("# fed_tok = tokens the model consumed in the step; floor = max(bytes / bandwidth, FLOPs / matmul rate)")
+    if args.tensor_parallel_size > 1:
+        run_tensor_parallel(args, device, dtype, model_spec, random_prompts)
+        return
     print(_format_header())
 
     for mode in args.quantization:

@@ -3,6 +3,7 @@ checkpoint, no CPU copy), for the step benchmarks (bench/gpu_step.py, bench/bloc
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import torch
@@ -11,19 +12,24 @@ from engine.models.attention import select_attention
 from engine.models.layers import RMSNorm, RotaryEmbedding
 from engine.models.registry import model_class_for
 from engine.models.transformer import DiffusionTransformer
+from engine.parallel.group import SINGLE, TensorParallel
+from engine.parallel.sharding import check_divisible
 from engine.special_tokens import SpecialTokens
 
 INIT_STD = 0.02
 
 
 def build_random(hf_config: dict[str, Any], special: SpecialTokens, device: torch.device, dtype: torch.dtype,
-                 seed: int = 0) -> DiffusionTransformer:
+                 seed: int = 0, tp: TensorParallel = SINGLE) -> DiffusionTransformer:
     """The model of `hf_config` with N(0, 0.02) weights (norm scales 1), allocated once on `device`
-    (no init pass by the constructors: an 8B model takes seconds)."""
+    (no init pass by the constructors: an 8B model takes seconds); with `tp`, that rank's share,
+    each parameter drawn from a generator seeded by its name, so that the parameters every rank
+    holds whole (norms, the router) are the same on every rank."""
     cls = model_class_for(hf_config)
     config = cls.parse_config(hf_config)
+    check_divisible(config, tp.size)
     with torch.device("meta"):
-        model = cls(config, special, hf_config)
+        model = cls(config, special, hf_config, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty gives the head its own storage; tie it again as the loader does
         model.lm_head.weight = model.embed.weight
@@ -37,6 +43,8 @@ def build_random(hf_config: dict[str, Any], special: SpecialTokens, device: torc
             elif name.endswith("expert_bias"):
                 param.zero_()  # LLaDA2's router bias: zero, so that the router's choice is the scores'
             else:
+                if tp.size > 1:
+                    generator.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
                 param.normal_(0.0, INIT_STD, generator=generator)
     model.requires_grad_(False).eval()
     model.set_attention_kernel(*select_attention(device, dtype, use_flash=False))
@@ -53,3 +61,9 @@ def _reinit_buffers(model: DiffusionTransformer, device: torch.device) -> None:
     others = [name for name, _ in model.named_buffers() if not name.startswith("rotary.")]
     if others:
         raise RuntimeError(f"buffers this benchmark does not know how to initialise: {others}")
+
+
+def build_random_rank(tp: TensorParallel, device: str, hf_config: dict[str, Any], special: SpecialTokens,
+                      dtype: torch.dtype, seed: int = 0) -> DiffusionTransformer:
+    """`build_random` as a tensor-parallel engine's model factory calls it on each rank."""
+    return build_random(hf_config, special, torch.device(device), dtype, seed, tp)

@@ -40,6 +40,12 @@ class EngineConfig:
     # too when quantize_head (engine.quantization, docs/operations.md)
     quantization: str = "none"
     quantize_head: bool = False
+    # tensor parallelism (vLLM's --tensor-parallel-size): the model split across this many processes,
+    # one a GPU on CUDA (rank r on cuda:r), all on this host's CPUs otherwise (engine.parallel)
+    tensor_parallel_size: int = 1
+    # seconds a rank waits on another (a collective, a worker's answer to rank 0's heartbeat) before
+    # the group is declared failed: above the slowest step, so only a hang or a death trips it
+    distributed_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
@@ -64,5 +70,13 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}; got {self.quantization!r}")
         if self.quantize_head and self.quantization == "none":
             raise ValueError("quantize_head needs a quantization mode other than none")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1 and self.cuda_graphs:
+            raise ValueError("cuda_graphs is not available with tensor_parallel_size > 1 (the step's collectives "
+                             "are not captured; docs/operations.md, 'Several GPUs')")
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout must be positive, got {self.distributed_timeout!r}")
         if self.dtype.lower() not in DTYPE_ALIASES:
             raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {self.dtype!r}")

@@ -46,6 +46,19 @@ Prompt = Union[Sequence[int], str]
 
 
 class Engine:
+    # why a multi-process engine can no longer step (a worker died or hung: engine.parallel); a
+    # single-process engine has no such failure
+    fault: Optional[str] = None
+
+    def __new__(cls, config: Optional[EngineConfig] = None, *args: Any, **kwargs: Any) -> Engine:
+        """`Engine(config)` is rank 0 of a tensor-parallel group when config.tensor_parallel_size > 1
+        (engine.parallel.engine: it starts and drives the other ranks itself)."""
+        if cls is Engine and config is not None and config.tensor_parallel_size > 1:
+            from engine.parallel.engine import TensorParallelEngine
+
+            cls = TensorParallelEngine
+        return super().__new__(cls)
+
     def __init__(self, config: EngineConfig) -> None:
         set_threads(config.threads)  # process-wide: before any work
         model = load_model(config.model, device=config.device, dtype=config.dtype,
@@ -85,6 +98,9 @@ class Engine:
         self.block_causal = model.block_causal
         self._ids = itertools.count()
         self.reset()
+
+    def close(self) -> None:
+        """Stop what the engine started (a tensor-parallel group's workers); nothing here."""
 
     def reset(self) -> None:
         """Drop every request, waiting or running (after a failed step)."""

@@ -19,3 +19,7 @@ class RequestError(ValueError):
         super().__init__(message)
         self.param = param
         self.code = code
+
+
+class TensorParallelError(ValueError):
+    """The model cannot be split across the requested number of ranks, or a rank failed to start."""

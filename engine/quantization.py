@@ -10,6 +10,9 @@ torchao's own packed 4-bit layout needs a CUDA-only kernel package and its CPU i
 weight, so int4 is bitsandbytes' on every device. Activations stay in the model dtype: each layer
 dequantizes (or multiplies in its library's mixed kernel) and accumulates in that dtype.
 
+LLaDA2's routed experts are quantized too, each expert as its own linear pair
+(`GroupedExperts.quantize`: neither library's weight can be viewed as stacked [experts, rows,
+columns]); its router stays in the model dtype (it scores in float32, as the official gate does).
 Embeddings, norms and the output head stay in the model dtype unless `quantize_head` asks for the
 head too: the head's logits are the confidences that CAI's thresholds compare, so an error there
 moves decisions, not only values (docs/operations.md). The loader quantizes one decoder layer at a
@@ -138,22 +141,28 @@ def quantize_linear(linear: nn.Linear, mode: str) -> nn.Module:
 
 
 def quantize_linears(module: nn.Module, mode: str) -> None:
-    """Quantize every float `nn.Linear` below `module`, in place, except under a module that says
-    `quantizable = False` (LLaDA2's stacked routed experts)."""
+    """Quantize every float `nn.Linear` below `module`, in place; a module that says
+    `quantizes_itself` (LLaDA2's stacked routed experts) through its own `quantize(convert)`."""
     if mode == "none":
         return
     convert = _converter(mode)
-    for parent in _quantizable_modules(module):
+    for parent in _linear_parents(module):
         for name, child in list(parent.named_children()):
             if _is_float_linear(child):
                 setattr(parent, name, convert(child))
+    for stacked in _self_quantizing(module):
+        stacked.quantize(convert)
 
 
-def _quantizable_modules(module: nn.Module) -> list[nn.Module]:
-    """`module` and its descendants, less any subtree whose root says `quantizable = False`."""
-    if not getattr(module, "quantizable", True):
+def _linear_parents(module: nn.Module) -> list[nn.Module]:
+    """`module` and its descendants, less any subtree whose root `quantizes_itself`."""
+    if getattr(module, "quantizes_itself", False):
         return []
-    return [module] + [m for child in module.children() for m in _quantizable_modules(child)]
+    return [module] + [m for child in module.children() for m in _linear_parents(child)]
+
+
+def _self_quantizing(module: nn.Module) -> list[Any]:
+    return [m for m in module.modules() if getattr(m, "quantizes_itself", False)]
 
 
 def check_quantization(mode: str, device: torch.device, dtype: torch.dtype) -> None:
@@ -216,19 +225,25 @@ def linear_weight_bytes(out_features: int, in_features: int, mode: str, dtype: t
 
 def quantized_model_bytes(model: nn.Module, mode: str, dtype: torch.dtype, quantize_head: bool = False,
                           device_type: str = "cuda") -> int:
-    """Bytes of every parameter of `model` (which may live on the meta device) once loaded in `mode`
-    on `device_type`: the decoder layers' quantizable linear weights quantized, the rest in `dtype`."""
+    """Bytes of every parameter of `model` (which may live on the meta device; a tensor-parallel
+    rank's share) once loaded in `mode` on `device_type`: the decoder layers' linear weights
+    quantized (routed experts one linear pair each), the rest in `dtype`."""
     layers = model.layers
     head = getattr(model, "lm_head", None)
-    quantized = {id(m.weight): m for parent in _quantizable_modules(layers) for m in parent.children()
-                 if isinstance(m, nn.Linear)}
-    if quantize_head and head is not None:
-        quantized[id(head.weight)] = head
-    total = 0
-    for param in {id(p): p for p in model.parameters()}.values():
-        linear = quantized.get(id(param))
-        if linear is None:
-            total += param.numel() * dtype.itemsize
-        else:
-            total += linear_weight_bytes(linear.out_features, linear.in_features, mode, dtype, device_type)
-    return total
+    quantized: dict[int, int] = {}  # parameter id -> its bytes once quantized
+    if mode != "none":
+        for parent in _linear_parents(layers):
+            for m in parent.children():
+                if isinstance(m, nn.Linear):
+                    quantized[id(m.weight)] = linear_weight_bytes(m.out_features, m.in_features, mode, dtype,
+                                                                  device_type)
+        for stacked in _self_quantizing(layers):
+            for linear, (out_features, in_features) in zip((stacked.gate_up_proj, stacked.down_proj),
+                                                           stacked.expert_shapes(), strict=True):
+                quantized[id(linear.weight)] = stacked.local * linear_weight_bytes(out_features, in_features, mode,
+                                                                                   dtype, device_type)
+        if quantize_head and head is not None:
+            quantized[id(head.weight)] = linear_weight_bytes(head.out_features, head.in_features, mode, dtype,
+                                                             device_type)
+    return sum(quantized.get(id(p), p.numel() * dtype.itemsize)
+               for p in {id(p): p for p in model.parameters()}.values())

@@ -25,7 +25,7 @@ class Slots:
         self.pad_id = model.special.pad_id
         self.canvas = torch.full((max_batch, 1), self.pad_id, dtype=torch.long, device=self.device)
         config = model.config
-        self.store = KVStore.empty(config.num_layers, max_batch, config.num_kv_heads, 2, config.head_dim,
+        self.store = KVStore.empty(config.num_layers, max_batch, model.kv_heads, 2, config.head_dim,
                                    model.dtype, self.device)
         self.store.key_mask[:, 0] = True  # a free slot's dummy row still attends to something
         self.tables = DecodeTables(max_batch, self.device)

@@ -87,13 +87,15 @@ class AppState:
         self.in_flight = 0
         self.started = time.time()
 
-    def start(self, factory: EngineFactory, on_failure: Optional[Callable[[str], None]] = None) -> None:
+    def start(self, factory: EngineFactory, on_failure: Optional[Callable[[str], None]] = None,
+              on_fault: Optional[Callable[[str], None]] = None) -> None:
         began = time.monotonic()
         settings, engine = self.settings, self.settings.engine
         log.info("loading %s on %s (%s), quantization %s%s", engine.model, engine.device, engine.dtype,
                  engine.quantization, " (head too)" if engine.quantize_head else "")
         try:
             loop = EngineLoop(factory(self.settings), self.settings.max_queue, self.metrics, self.meter)
+            loop.on_fault = on_fault
             template = self.settings.chat_template_text()
             if template is not None:
                 loop.set_chat_template(template)
@@ -133,7 +135,7 @@ class AppState:
         if loop is None:
             return None
         if not loop.alive:
-            return "engine_dead", "the engine loop has stopped"
+            return "engine_dead", "the engine loop has stopped" + (f": {loop.fault}" if loop.fault else "")
         stalled = time.monotonic() - loop.last_progress
         if loop.num_pending and stalled > self.settings.stall_timeout:
             return "engine_stalled", f"the engine has made no progress for {stalled:.0f} s with work pending"
@@ -149,16 +151,18 @@ class AppState:
 
 def create_app(settings: ServerSettings, engine_factory: EngineFactory = _load_engine,
                meter: Optional[EnergyMeter] = None,
-               on_load_failure: Optional[Callable[[str], None]] = None) -> FastAPI:
+               on_load_failure: Optional[Callable[[str], None]] = None,
+               on_engine_fault: Optional[Callable[[str], None]] = None) -> FastAPI:
     """The app; the model loads in a thread when it starts. `on_load_failure(reason)` is called if
-    the model fails to load (`cai-dllm serve` ends the process; without it the app keeps answering,
-    with /health and /ready at 503 saying why)."""
+    the model fails to load, `on_engine_fault(reason)` if the engine faults once serving (a
+    tensor-parallel worker died or hung): `cai-dllm serve` ends the process; without them the app
+    keeps answering, with /health (and /ready) at 503 saying why."""
     state = AppState(settings, meter)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
-        loader = threading.Thread(target=state.start, args=(engine_factory, on_load_failure), name="cai-dllm-load",
-                                  daemon=True)
+        loader = threading.Thread(target=state.start, args=(engine_factory, on_load_failure, on_engine_fault),
+                                  name="cai-dllm-load", daemon=True)
         loader.start()
         yield
         if state.loop is not None:

@@ -18,7 +18,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -106,6 +106,9 @@ class EngineLoop:
         self.quantization = model.quantization
         self.quantized_head = model.quantized_head
         self.max_logprobs = engine.config.max_logprobs
+        # called once, from the engine thread, when the engine faults (a tensor-parallel worker died
+        # or hung): every request in flight has failed, and the loop has stopped
+        self.on_fault: Optional[Callable[[str], None]] = None
 
     # ------------------------------------------------------------------ the engine, from any thread
 
@@ -146,6 +149,12 @@ class EngineLoop:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        self.engine.close()  # a tensor-parallel engine's workers
+
+    @property
+    def fault(self) -> Optional[str]:
+        """Why the engine cannot go on (engine.Engine.fault), or None."""
+        return self.engine.fault
 
     @property
     def alive(self) -> bool:
@@ -210,6 +219,9 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            if self.engine.fault is not None:
+                self._end_on_fault(self.engine.fault)
+                return
             if self._scoring.advance():  # a chunk of scoring is progress too (/health)
                 self.last_progress = time.monotonic()
             if not self.engine.has_unfinished():
@@ -235,10 +247,25 @@ class EngineLoop:
         self._scoring.fail_all(message)
         self._wake.set()
 
+    def _end_on_fault(self, reason: str) -> None:
+        """The engine cannot step again: fail everything in flight (503) and stop the loop."""
+        message = f"the engine failed: {reason}"
+        with self._lock:
+            failed, self._active = list(self._active.values()), {}
+        for sub in failed:
+            sub.post(Event("error", sub.choice, message=message, status=503, code="engine_dead"))
+        self._scoring.fail_all(message)
+        if self.on_fault is not None:
+            self.on_fault(reason)
+
     def _fail_all(self, message: str) -> None:
         with self._lock:
             failed, self._active = list(self._active.values()), {}
             self.engine.reset()  # the failed step may have left rows half advanced
+        if self.engine.fault is not None:  # the step failed because the engine did (a worker died):
+            with self._lock:  # the loop's next turn ends everything on the fault
+                self._active.update((sub.request_id, sub) for sub in failed)
+            return
         for sub in failed:
             sub.post(Event("error", sub.choice, message=message))
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Optional
 
 import torch
 
@@ -94,3 +94,37 @@ def copy_tensor_into(f: BinaryIO, entry: TensorEntry, dest: torch.Tensor) -> Non
     staging = torch.empty(entry.shape, dtype=entry.dtype)
     _read_exact(f, entry, staging)
     dest.copy_(staging.view(dest.shape))
+
+
+def _rows_entry(entry: TensorEntry, start: int, count: int) -> TensorEntry:
+    """The rows [start, start + count) of `entry`: a contiguous byte range of the file."""
+    row_bytes = entry.nbytes // entry.shape[0] if entry.shape[0] else 0
+    return replace(entry, shape=(count, *entry.shape[1:]), offset=entry.offset + start * row_bytes,
+                   nbytes=count * row_bytes)
+
+
+def copy_slice_into(f: BinaryIO, entry: TensorEntry, dest: torch.Tensor, rows: Optional[tuple[int, int]] = None,
+                    columns: Optional[tuple[int, int]] = None) -> None:
+    """Fill `dest` with rows [r, r + m) and columns [c, c + n) of the tensor `entry` (None: all),
+    reading those bytes only: whole rows are one read, a column range one read per row (a
+    tensor-parallel rank's share of a row-parallel weight)."""
+    if rows is not None:
+        entry = _rows_entry(entry, *rows)
+    if columns is None or (columns[0] == 0 and columns[1] == entry.shape[1]):
+        copy_tensor_into(f, entry, dest)
+        return
+    start, count = columns
+    item = entry.dtype.itemsize
+    row_bytes = entry.shape[1] * item
+    staging = torch.empty((entry.shape[0], count), dtype=entry.dtype)
+    buffer = memoryview(staging.view(-1).view(torch.uint8).numpy())
+    piece = count * item
+    for row in range(entry.shape[0]):
+        f.seek(entry.offset + row * row_bytes + start * item)
+        target, done = buffer[row * piece:(row + 1) * piece], 0
+        while done < piece:
+            got = f.readinto(target[done:])
+            if not got:
+                raise CheckpointError(f"unexpected end of file while reading weight {entry.name}")
+            done += got
+    dest.copy_(staging)

@@ -5,6 +5,10 @@ device in the target dtype, and then filled tensor by tensor from the safetensor
 decoder layer at a time (quantized, when asked, before the next is allocated). Every name
 and shape is checked against the weight table from the file headers before any data is read, so a
 bad checkpoint fails in milliseconds and names the offending tensor.
+
+On a tensor-parallel rank (`tp`) the model is that rank's share, and each tensor is read as the
+slices the rank holds (`engine.parallel.sharding.source_slices`): no rank reads another's experts
+or holds a whole sharded tensor.
 """
 
 from __future__ import annotations
@@ -14,19 +18,20 @@ import sys
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import BinaryIO, Optional, Union
 
 import torch
-from torch import nn
 
 from engine.devices import resolve
 from engine.errors import CheckpointError, DeviceError
 from engine.loading.checkpoint import CheckpointFiles
-from engine.loading.safetensors_stream import TensorEntry, copy_tensor_into, read_header
+from engine.loading.safetensors_stream import TensorEntry, copy_slice_into, read_header
 from engine.models.attention import select_attention
 from engine.models.registry import model_class_for
 from engine.models.transformer import DiffusionTransformer
 from engine.models.weight_names import expected_weights, ignored_weight
+from engine.parallel.group import SINGLE, TensorParallel
+from engine.parallel.sharding import SliceRead, check_divisible, source_slices
 from engine.quantization import check_quantization, quantize_linear, quantize_linears
 
 
@@ -47,19 +52,20 @@ _LIBC = _glibc()
 class _Placement:
     entry: TensorEntry
     param: str
-    rows: Optional[tuple[int, int]]  # (start, size) inside a fused parameter
+    read: SliceRead  # which part of the tensor, into which rows of the parameter
 
 
 def _destination(model: DiffusionTransformer, placement: _Placement) -> torch.Tensor:
     data = model.get_parameter(placement.param).data
-    if placement.rows is None:
+    if placement.read.dest_rows is None:
         return data
-    start, size = placement.rows
+    start, size = placement.read.dest_rows
     return data[start:start + size]
 
 
 def plan_weights(model: DiffusionTransformer, files: list[Path]) -> dict[Path, list[_Placement]]:
-    """Match every tensor in the files to a parameter, checking names and shapes; read no data."""
+    """Match every tensor in the files to a parameter (this rank's slices of it on a tensor-parallel
+    rank), checking names and shapes; read no data."""
     expected = expected_weights(model.config)
     plan: dict[Path, list[_Placement]] = {}
     seen: set[str] = set()
@@ -75,16 +81,13 @@ def plan_weights(model: DiffusionTransformer, files: list[Path]) -> dict[Path, l
                 raise CheckpointError(f"weight {name} appears in more than one shard")
             seen.add(name)
             param, shard = expected[name]
-            rows = None
-            if shard is not None:
-                module = model.get_submodule(param.rsplit(".", 1)[0])
-                rows = module.shard_offsets[shard]
-            placement = _Placement(entry, param, rows)
-            want = tuple(_destination(model, placement).shape)
+            module = model.get_submodule(param.rsplit(".", 1)[0])
+            want, reads = source_slices(module, tuple(model.get_parameter(param).shape), shard,
+                                        model.config.vocab_size, model.tp)
             if entry.shape != want:
                 raise CheckpointError(f"weight {name} has shape {list(entry.shape)} but the config "
                                       f"implies {list(want)} (in {path.name})")
-            plan[path].append(placement)
+            plan[path].extend(_Placement(entry, param, read) for read in reads)
     if unexpected:
         shown = ", ".join(sorted(unexpected)[:5]) + (" …" if len(unexpected) > 5 else "")
         raise CheckpointError(f"{len(unexpected)} weight(s) are not part of a {model.display_name} model "
@@ -110,29 +113,39 @@ def _layer_of(param: str) -> Optional[int]:
     return int(parts[1]) if parts[0] == "layers" and len(parts) > 2 else None
 
 
-def _materialize_outside_layers(model: nn.Module, device: torch.device) -> None:
-    """Allocate every module but the decoder layers on `device`. A function of its own so that no
+def _materialize_outside_layers(model: DiffusionTransformer, device: torch.device) -> None:
+    """Allocate every module but the decoder layers on `device`, the vocabulary shard's padding rows
+    zero (a tensor-parallel rank's; never read, but never garbage). A function of its own so that no
     loop variable outlives it: one left holding the float output head would keep it resident
     after `quantize_head` replaced it, for the whole load."""
     for name, child in model.named_children():
         if name != "layers":
             child.to_empty(device=device)
+    for table in (model.embed, model.lm_head):
+        table.weight.data[model.vocab_rows:].zero_()
+
+
+def _copy(f: BinaryIO, placement: _Placement, model: DiffusionTransformer) -> None:
+    read = placement.read
+    copy_slice_into(f, placement.entry, _destination(model, placement), read.rows, read.columns)
 
 
 def load_model(path: Union[str, Path], device: Union[str, torch.device] = "cpu",
                dtype: Union[str, torch.dtype] = torch.float32, *,
                use_flash_attn: Optional[bool] = None, quantization: str = "none",
-               quantize_head: bool = False) -> DiffusionTransformer:
-    """Load a LLaDA or Dream checkpoint (local directory, safetensors) for inference.
+               quantize_head: bool = False, tp: TensorParallel = SINGLE) -> DiffusionTransformer:
+    """Load a checkpoint of any supported family (local directory, safetensors) for inference.
 
     The returned module maps `(input_ids, attention_mask=None, position_ids=None)` to raw logits
     [B, L, vocab]; `.config`, `.special` (token ids), `.hf_config` and `.logits_shifted` describe it.
     With `quantization` (engine.quantization), each decoder layer's linear layers are quantized as
     soon as that layer's weights are read, so peak memory is the quantized model plus one float layer.
+    With `tp`, the model is that rank's share (its forward needs the group: `engine.parallel`).
     """
     checkpoint = CheckpointFiles.open(path)
     cls = model_class_for(checkpoint.config)
     config = cls.parse_config(checkpoint.config)
+    check_divisible(config, tp.size)
     special = checkpoint.special_tokens(needs_mask=getattr(cls, "uses_mask_token", True))
     files = checkpoint.weight_files()
     target_device, target_dtype = resolve(device, dtype)
@@ -144,7 +157,7 @@ def load_model(path: Union[str, Path], device: Union[str, torch.device] = "cpu",
                               "embedding, which stays in the model dtype")
 
     with torch.device("meta"):
-        model = cls(config, special, checkpoint.config)
+        model = cls(config, special, checkpoint.config, tp)
     plan = plan_weights(model, files)
     model = model.to(dtype=target_dtype)
     by_layer: dict[Optional[int], list[tuple[Path, _Placement]]] = {}
@@ -158,13 +171,13 @@ def load_model(path: Union[str, Path], device: Union[str, torch.device] = "cpu",
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed.weight
         for file, placement in by_layer.pop(None, []):
-            copy_tensor_into(handles[file], placement.entry, _destination(model, placement))
+            _copy(handles[file], placement, model)
         if quantize_head:
             model.lm_head = quantize_linear(model.lm_head, quantization)
         for index, layer in enumerate(model.layers):
             layer.to_empty(device=target_device)
             for file, placement in by_layer.get(index, []):
-                copy_tensor_into(handles[file], placement.entry, _destination(model, placement))
+                _copy(handles[file], placement, model)
             quantize_linears(layer, quantization)
             if quantization != "none":
                 release_freed_heap()

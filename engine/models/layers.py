@@ -23,6 +23,7 @@ from torch import nn
 from engine.models.attention import AttentionFn, sdpa_attention
 from engine.models.config import ModelConfig
 from engine.models.kv_cache import CacheWrite
+from engine.parallel.group import SINGLE, TensorParallel
 
 # Input positions whose outputs are wanted: the first K positions (an int K) or [B, K] indices.
 Positions = Union[int, torch.Tensor]
@@ -63,7 +64,8 @@ def make_norm(size: int, config: ModelConfig) -> RMSNorm:
 
 
 class FusedLinear(nn.Linear):
-    """A linear layer whose output rows are the concatenation of named checkpoint tensors."""
+    """A linear layer whose output rows are the concatenation of named checkpoint tensors (on a
+    tensor-parallel rank, of this rank's rows of each: `engine.parallel.sharding`)."""
 
     def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
         super().__init__(in_features, sum(shards.values()), bias=bias)
@@ -123,18 +125,25 @@ def select_positions(x: torch.Tensor, at: Positions) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, index: int) -> None:
+    """Self-attention over this rank's heads (all of them on one device): the q|k|v projection is
+    column-parallel (each rank computes its heads' rows), the output projection row-parallel (each
+    rank multiplies its heads' columns), and one all-reduce sums the ranks' outputs."""
+
+    def __init__(self, config: ModelConfig, index: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.index = index  # the layer's keys and values in a KV store
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.tp = tp
+        self.num_heads = config.num_heads // tp.size
+        self.num_kv_heads = config.num_kv_heads // tp.size
         self.head_dim = config.head_dim
         self.rotary_dim = config.rotary_dim
         self.rope_in_float32 = config.rope_in_float32
-        self.qkv_proj = FusedLinear(config.hidden_size,
-                                    {"q": config.q_size, "k": config.kv_size, "v": config.kv_size},
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
                                     bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.qkv_proj.tp_split = "out"
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.o_proj.tp_split = "in"
         self.q_norm = make_norm(config.head_dim, config) if config.qk_norm else None
         self.k_norm = make_norm(config.head_dim, config) if config.qk_norm else None
         self.kernel: AttentionFn = sdpa_attention
@@ -164,17 +173,27 @@ class Attention(nn.Module):
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.to(q.dtype)  # SDPA wants an additive mask in the query dtype
         out = self.kernel(q, k, v, mask)
-        return self.o_proj.forward(out.transpose(1, 2).reshape(batch, q.shape[2], -1))
+        return self.tp.all_reduce(self.o_proj.forward(out.transpose(1, 2).reshape(batch, q.shape[2], -1)))
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = FusedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size},
-                                        bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+    """The gated MLP over this rank's share of the intermediate width: gate|up column-parallel,
+    down row-parallel, one all-reduce (`partial` leaves it to a caller that sums more first)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.tp = tp
+        self.intermediate_size = intermediate_size // tp.size
+        self.gate_up_proj = FusedLinear(hidden_size, {"gate": self.intermediate_size, "up": self.intermediate_size},
+                                        bias=False)
+        self.gate_up_proj.tp_split = "out"
+        self.down_proj = nn.Linear(self.intermediate_size, hidden_size, bias=False)
+        self.down_proj.tp_split = "in"
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's term of the output (the output itself on one device)."""
         gate, up = self.gate_up_proj.forward(x).split(self.intermediate_size, dim=-1)
         return self.down_proj.forward(F.silu(gate) * up)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.partial(x))

@@ -10,10 +10,18 @@ Experts: the (token, expert) pairs are sorted by expert, so each expert runs one
 tokens. Two kernels compute that: `plain` (one matmul pair per expert with tokens; it reads the
 per-expert counts on the host, once per MoE layer) and `grouped_mm` (torch's grouped GEMM over the
 jagged groups: no host read), taken automatically where PyTorch documents it (CUDA, bf16).
+Quantized experts (`--quantization`) are one quantized linear pair per expert, run as `plain` runs
+its matmuls: neither quantization library has a grouped kernel over stacked weights.
+
+Expert parallelism: on a tensor-parallel rank the router runs whole (it is small, and every rank
+must route alike), the rank holds an even, contiguous share of the routed experts and computes
+only the (token, expert) pairs routed to them, the shared expert is split like a dense MLP, and
+one all-reduce sums the routed and shared terms of every rank.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -22,8 +30,10 @@ from torch import nn
 
 from engine.models.config import MoeConfig
 from engine.models.layers import FusedLinear, SwiGLU
+from engine.parallel.group import SINGLE, TensorParallel
 
 MOE_KERNELS = ("plain", "grouped_mm")
+_QUANTIZED_KERNEL = "quantized"  # one quantized linear pair per expert (GroupedExperts.quantize)
 # The official router divides by (sum of chosen scores + this) when it picks more than one expert.
 _WEIGHT_SUM_GUARD = 1e-20
 # A group's score is the sum of its best two biased expert scores (fixed in the official router).
@@ -66,26 +76,65 @@ class MoeRouter(nn.Module):
         return chosen, weights * moe.routed_scaling_factor, logits
 
 
+class ExpertMLP(nn.Module):
+    """One routed expert's SwiGLU weights as two linear layers, the form a quantization library takes."""
+
+    def __init__(self, gate_up: nn.Module, down: nn.Module) -> None:
+        super().__init__()
+        self.gate_up_proj = gate_up
+        self.down_proj = down
+
+
 class GroupedExperts(nn.Module):
-    """All routed experts' SwiGLU weights stacked: gate|up rows of expert e at [e·2I, (e+1)·2I), down
-    rows at [e·H, (e+1)·H); the loader fills them expert by expert through the shard names."""
+    """The routed experts this rank holds (all of them on one device), their SwiGLU weights stacked:
+    gate|up rows of local expert e at [e·2I, (e+1)·2I), down rows at [e·H, (e+1)·H). The shard names
+    are the global expert ids (`{e}.gate`, `{e}`), so the loader fills this rank's experts and
+    skips the others' (`engine.parallel.sharding`)."""
 
-    # forward views the stacked weights as [experts, rows, columns], which neither quantization
-    # library's weight supports: the routed experts stay in the model dtype (engine.quantization)
-    quantizable = False
+    # quantization (engine.quantization) goes through `quantize`, which splits the stacked weights
+    # into one linear pair per expert: neither library's weight can be viewed as [experts, rows, cols]
+    quantizes_itself = True
 
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, first: int = 0,
+                 count: Optional[int] = None) -> None:
         super().__init__()
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
-        self.num_experts = num_experts
-        self.gate_up_proj = FusedLinear(
-            hidden_size, {f"{e}.{part}": intermediate_size for e in range(num_experts) for part in ("gate", "up")},
-            bias=False)
-        self.down_proj = FusedLinear(intermediate_size, {str(e): hidden_size for e in range(num_experts)}, bias=False)
+        self.num_experts = num_experts  # routed experts of the whole model
+        self.first = first  # this rank's experts: global ids [first, first + local)
+        self.local = num_experts if count is None else count
+        ids = range(first, first + self.local)
+        self.gate_up_proj: Optional[FusedLinear] = FusedLinear(
+            hidden_size, {f"{e}.{part}": intermediate_size for e in ids for part in ("gate", "up")}, bias=False)
+        self.down_proj: Optional[FusedLinear] = FusedLinear(intermediate_size, {str(e): hidden_size for e in ids},
+                                                            bias=False)
+        self.gate_up_proj.tp_split = self.down_proj.tp_split = "experts"
+        self.quantized: Optional[nn.ModuleList] = None  # ExpertMLP per local expert, once quantized
         self.kernel: Optional[str] = None  # None: grouped_mm where PyTorch documents it, else plain
 
+    def expert_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(out, in) of one expert's gate|up and down linear layers."""
+        return (2 * self.intermediate_size, self.hidden_size), (self.hidden_size, self.intermediate_size)
+
+    def quantize(self, convert: Callable[[nn.Linear], nn.Module]) -> None:
+        """Replace the stacked float weights with one `convert`ed linear pair per expert."""
+        assert self.gate_up_proj is not None and self.down_proj is not None
+        gate_up = self.gate_up_proj.weight.data.view(self.local, *self.expert_shapes()[0])
+        down = self.down_proj.weight.data.view(self.local, *self.expert_shapes()[1])
+        experts = []
+        for e in range(self.local):
+            pair = []
+            for weight in (gate_up[e], down[e]):
+                linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+                linear.weight = nn.Parameter(weight.clone(), requires_grad=False)
+                pair.append(convert(linear))
+            experts.append(ExpertMLP(*pair))
+        self.gate_up_proj = self.down_proj = None  # frees the stacked float weights
+        self.quantized = nn.ModuleList(experts)
+
     def kernel_for(self, x: torch.Tensor) -> str:
+        if self.quantized is not None:
+            return _QUANTIZED_KERNEL
         if self.kernel is not None:
             return self.kernel
         on_documented_device = (x.is_cuda and x.dtype == torch.bfloat16
@@ -95,18 +144,31 @@ class GroupedExperts(nn.Module):
         return "plain"
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], expert_ids [T, k], weights [T, k] float32 -> Σ_j weights[:, j] · expert_j(x), [T, H]."""
+        """x [T, H], expert_ids [T, k] (global), weights [T, k] float32 -> Σ_j weights[:, j] · expert_j(x)
+        over the pairs whose expert this rank holds, [T, H]."""
         tokens, top_k = expert_ids.shape
         flat = expert_ids.reshape(-1)
+        elsewhere = None
+        if self.local < self.num_experts:  # pairs of other ranks' experts go to a last group, never run
+            flat = flat - self.first
+            elsewhere = (flat < 0) | (flat >= self.local)
+            flat = flat.masked_fill(elsewhere, self.local)
         order = flat.argsort(stable=True)
         grouped = x[order // top_k]  # one row per (token, expert) pair, grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        gate_up = self.gate_up_proj.weight.view(self.num_experts, 2 * self.intermediate_size, self.hidden_size)
-        down = self.down_proj.weight.view(self.num_experts, self.hidden_size, self.intermediate_size)
-        if self.kernel_for(x) == "grouped_mm":
-            out = self._grouped_mm(grouped, counts, gate_up, down)
+        counts = torch.bincount(flat, minlength=self.local)
+        kernel = self.kernel_for(x)
+        if kernel == _QUANTIZED_KERNEL:
+            out = self._quantized(grouped, counts)
         else:
-            out = self._plain(grouped, counts, gate_up, down)
+            assert self.gate_up_proj is not None and self.down_proj is not None
+            gate_up = self.gate_up_proj.weight.view(self.local, 2 * self.intermediate_size, self.hidden_size)
+            down = self.down_proj.weight.view(self.local, self.hidden_size, self.intermediate_size)
+            if kernel == "grouped_mm":
+                out = self._grouped_mm(grouped, counts[:self.local], gate_up, down)
+            else:
+                out = self._plain(grouped, counts, gate_up, down)
+        if elsewhere is not None:  # rows no expert of this rank computed: their term is another rank's
+            out = out.masked_fill(elsewhere[order][:, None], 0)
         per_pair = torch.empty_like(out)
         per_pair[order] = out
         # the weighted sum in float32, then back to the activation dtype (as the official moe_infer)
@@ -116,11 +178,24 @@ class GroupedExperts(nn.Module):
                down: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(grouped)
         start = 0
-        for expert, count in enumerate(counts.tolist()):  # the host read of this kernel
+        for expert, count in enumerate(counts.tolist()[:self.local]):  # the host read of this kernel
             if count:
                 rows = slice(start, start + count)
                 gate, up = F.linear(grouped[rows], gate_up[expert]).split(self.intermediate_size, dim=-1)
                 out[rows] = F.linear(F.silu(gate) * up, down[expert])
+                start += count
+        return out
+
+    def _quantized(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        assert self.quantized is not None
+        out = torch.empty_like(grouped)
+        start = 0
+        for expert, count in enumerate(counts.tolist()[:self.local]):  # the host read of this kernel
+            if count:
+                rows = slice(start, start + count)
+                pair = self.quantized[expert]
+                gate, up = pair.gate_up_proj.forward(grouped[rows]).split(self.intermediate_size, dim=-1)
+                out[rows] = pair.down_proj.forward(F.silu(gate) * up)
                 start += count
         return out
 
@@ -132,11 +207,13 @@ class GroupedExperts(nn.Module):
 
 
 class SparseMoe(nn.Module):
-    def __init__(self, hidden_size: int, moe: MoeConfig) -> None:
+    def __init__(self, hidden_size: int, moe: MoeConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.router = MoeRouter(hidden_size, moe)
-        self.experts = GroupedExperts(hidden_size, moe.expert_intermediate_size, moe.num_experts)
-        self.shared = (SwiGLU(hidden_size, moe.expert_intermediate_size * moe.num_shared_experts)
+        first, count = tp.split(moe.num_experts)
+        self.experts = GroupedExperts(hidden_size, moe.expert_intermediate_size, moe.num_experts, first, count)
+        self.shared = (SwiGLU(hidden_size, moe.expert_intermediate_size * moe.num_shared_experts, tp)
                        if moe.num_shared_experts > 0 else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,5 +221,5 @@ class SparseMoe(nn.Module):
         expert_ids, weights, _ = self.router.forward(flat)
         out = self.experts.forward(flat, expert_ids, weights)
         if self.shared is not None:
-            out = out + self.shared.forward(flat)
-        return out.view_as(x)
+            out = out + self.shared.partial(flat)
+        return self.tp.all_reduce(out).view_as(x)  # every rank's routed and shared terms, one collective

@@ -21,6 +21,7 @@ from engine.models.config import ModelConfig
 from engine.models.kv_cache import CacheWrite
 from engine.models.layers import Attention, Positions, RotaryEmbedding, SwiGLU, make_norm, select_positions
 from engine.models.moe import SparseMoe
+from engine.parallel.group import SINGLE, TensorParallel
 from engine.special_tokens import SpecialTokens
 
 
@@ -35,14 +36,15 @@ def positions_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int) -> None:
+    def __init__(self, config: ModelConfig, index: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.attn_norm = make_norm(config.hidden_size, config)
-        self.attn = Attention(config, index)
+        self.attn = Attention(config, index, tp)
         self.mlp_norm = make_norm(config.hidden_size, config)
         moe = config.moe
-        self.mlp: nn.Module = (SparseMoe(config.hidden_size, moe) if moe is not None and index >= moe.first_dense_layers
-                               else SwiGLU(config.hidden_size, config.intermediate_size))
+        self.mlp: nn.Module = (SparseMoe(config.hidden_size, moe, tp)
+                               if moe is not None and index >= moe.first_dense_layers
+                               else SwiGLU(config.hidden_size, config.intermediate_size, tp))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor],
                 cache: Optional[CacheWrite] = None, query_at: Optional[Positions] = None) -> torch.Tensor:
@@ -59,19 +61,27 @@ class DiffusionTransformer(nn.Module):
     block_causal: ClassVar[bool] = False  # block diffusion: causal across blocks (block_transformer.py)
 
     def __init__(self, config: ModelConfig, special: Optional[SpecialTokens],
-                 hf_config: Optional[dict[str, Any]] = None) -> None:
+                 hf_config: Optional[dict[str, Any]] = None, tp: TensorParallel = SINGLE) -> None:
+        """`config` is the whole model's; on a tensor-parallel rank (`tp`) the layers hold their
+        share of it (`engine.parallel`), and the forward still returns the whole vocabulary."""
         super().__init__()
         self.config = config
         self.special = special  # None only where a checkpoint's ids are not needed (inspect)
         self.hf_config = dict(hf_config or {})
+        self.tp = tp
         self.attention_backend = "sdpa"
         self.quantization = "none"  # engine.quantization's mode of the decoder layers' linear layers
         self.quantized_head = False
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Embedding and head are vocabulary-parallel: each rank holds rows [start, start + real) of
+        # both, padded to the same count on every rank (all of them on one device)
+        self.vocab_start, self.vocab_rows, padded = tp.padded_split(config.vocab_size)
+        self.embed = nn.Embedding(padded, config.hidden_size)
+        self.embed.tp_split = "vocab"
         self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = make_norm(config.hidden_size, config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, padded, bias=False)
+        self.lm_head.tp_split = "vocab"
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 
@@ -87,6 +97,11 @@ class DiffusionTransformer(nn.Module):
     def block_size(self) -> Optional[int]:
         """The block a block-diffusion checkpoint was trained with, when its config states one."""
         return self.config.block_size
+
+    @property
+    def kv_heads(self) -> int:
+        """The KV heads whose keys and values this rank stores (all of them on one device)."""
+        return self.config.num_kv_heads // self.tp.size
 
     @property
     def device(self) -> torch.device:
@@ -137,7 +152,7 @@ class DiffusionTransformer(nn.Module):
                    hidden_states_out: Optional[list[torch.Tensor]]) -> torch.Tensor:
         """The layers over tokens at `position_ids` [B|1, L] under `mask` (see `Attention.forward`)."""
         cos, sin = self.rotary.forward(position_ids)
-        x = self.embed.forward(input_ids)
+        x = self.embed_tokens(input_ids)
         # Only some outputs wanted: past its keys and values, the last layer computes those positions
         # alone (its attention queries, MLP, norm and head), the same values at a fraction of the work.
         # Under a mask with a row per query (block-causal) the head takes the positions instead.
@@ -154,7 +169,25 @@ class DiffusionTransformer(nn.Module):
         x = self.norm.forward(x)
         if hidden_states_out is not None:
             hidden_states_out.append(x)
-        return self.lm_head.forward(x)
+        return self.head(x)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings [B, L, hidden]: on a tensor-parallel rank, the rows of its vocabulary shard
+        (zero elsewhere), summed over the ranks."""
+        if self.tp.size == 1:
+            return self.embed.forward(input_ids)
+        local = input_ids - self.vocab_start
+        elsewhere = (local < 0) | (local >= self.vocab_rows)
+        x = self.embed.forward(local.masked_fill(elsewhere, 0)).masked_fill(elsewhere[..., None], 0)
+        return self.tp.all_reduce(x)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits [..., vocab]: on a tensor-parallel rank, every rank's shard gathered in rank order,
+        whose real rows come first (only the last shards hold padding), the padding cut."""
+        logits = self.lm_head.forward(x)
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather_last(logits)[..., :self.config.vocab_size]
 
 
 def check_input_ids(input_ids: torch.Tensor) -> None:

@@ -81,7 +81,14 @@ def engine_flag_options() -> dict[str, dict[str, Any]]:
             "quantize_head": {"action": argparse.BooleanOptionalAction,
                               "help": "quantize the output head too (kept in --dtype otherwise)"},
             "threads": {"type": int, "metavar": "N", "help": "torch CPU threads (intra-op pool); see "
-                                                             "docs/operations.md, 'CPU threads'"}}
+                                                             "docs/operations.md, 'CPU threads'"},
+            "tensor_parallel_size": {"type": int,
+                                     "help": "split the model across this many processes, one a GPU with --device "
+                                             "cuda (docs/operations.md, 'Several GPUs')"}}
+
+
+# short spellings vLLM users type
+ENGINE_FLAG_ALIASES = {"tensor_parallel_size": ("-tp",)}
 
 
 def threads_default() -> str:
@@ -102,7 +109,8 @@ def add_engine_flags(parser: argparse.ArgumentParser, names: tuple[str, ...], **
         flag = dests.get(name, name)
         extra = dict(options[name])
         extra["help"] += f" (default: {threads_default()})" if name == "threads" else " (default: %(default)s)"
-        parser.add_argument("--" + flag.replace("_", "-"), dest=flag, default=setting_default(name), **extra)
+        parser.add_argument("--" + flag.replace("_", "-"), *ENGINE_FLAG_ALIASES.get(name, ()), dest=flag,
+                            default=setting_default(name), **extra)
 
 
 def add_setting(parser: Any, name: str, *aliases: str, unset: str = "", **options: Any) -> None:

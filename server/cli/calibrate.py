@@ -37,7 +37,8 @@ def add_parser(sub: Any) -> None:
     cal.add_argument("--theta-s-grid", type=float_list, help="theta_s values of the threshold stage (0.8,0.9,0.99)")
     cal.add_argument("--theta-e-grid", type=float_list, help="theta_e values of the threshold stage (0.5,0.7,0.9)")
     add_engine_flags(cal, ("max_batch",), max_batch="batch_size")
-    add_engine_flags(cal, ("device", "dtype", "quantization", "quantize_head", "threads"))
+    add_engine_flags(cal, ("device", "dtype", "quantization", "quantize_head", "threads",
+                           "tensor_parallel_size"))
     cal.add_argument("--name", default="calibrated", help="the profile's name (decoding.profile)")
     cal.add_argument("--out", default="calibrated.json", help="the profile file to write")
     cal.set_defaults(func=run)
@@ -61,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
         grader = make_grader(grader_name)
         engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                                      max_batch=args.batch_size, quantization=args.quantization,
-                                     quantize_head=args.quantize_head, threads=args.threads))
+                                     quantize_head=args.quantize_head, threads=args.threads,
+                                     tensor_parallel_size=args.tensor_parallel_size))
     except (CalibrationDataError, CheckpointError, DeviceError, ValueError) as err:
         return fail(err)
     from calibration.run import calibrate

@@ -26,7 +26,8 @@ def add_parser(sub: Any) -> None:
     ev.add_argument("--gen-length", type=int, default=128, help="generation canvas of every configuration")
     ev.add_argument("--block-length", type=int, help="block length of every configuration (default: 32; a "
                                                      "block-diffusion model's trained block)")
-    add_engine_flags(ev, ("device", "dtype", "quantization", "quantize_head", "threads"))
+    add_engine_flags(ev, ("device", "dtype", "quantization", "quantize_head", "threads",
+                           "tensor_parallel_size"))
     ev.add_argument("--mix", type=task_mix, help=MIX_HELP)
     ev.add_argument("--json", help="also write the full report to this file")
     ev.set_defaults(func=run)
@@ -49,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                                      max_batch=args.batch_size, quantization=args.quantization,
-                                     quantize_head=args.quantize_head, threads=args.threads))
+                                     quantize_head=args.quantize_head, threads=args.threads,
+                                     tensor_parallel_size=args.tensor_parallel_size))
     except (CheckpointError, DeviceError, ValueError) as err:
         return fail(err)
     from engine.decoding import DecodeParams

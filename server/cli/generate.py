@@ -15,40 +15,37 @@ def add_parser(sub: Any) -> None:
     gen.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     gen.add_argument("--prompt-ids", action="append", help="comma-separated prompt token ids (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap each --prompt as a user turn of the chat template")
-    add_engine_flags(gen, ("device", "dtype", "max_batch", "quantization", "quantize_head", "threads"))
+    add_engine_flags(gen, ("device", "dtype", "max_batch", "quantization", "quantize_head", "threads",
+                            "tensor_parallel_size"))
     gen.add_argument("--json", action="store_true", help="print one JSON object per request")
     add_decode_flags(gen)
     gen.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine import CheckpointError, DeviceError, Engine, RequestError, load_model, load_tokenizer
+    from engine import CheckpointError, DeviceError, Engine, EngineConfig, RequestError, load_tokenizer
     from engine.chat import chat_prompt_ids
-    from engine.cpus import set_threads
     from engine.decoding import DecodeParamError, DecodeParams
     from engine.user_text import encode_prompt_text
 
     try:
         params = DecodeParams.from_dict(decode_overrides(args))
-        set_threads(args.threads)
-        model = load_model(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
-                           quantize_head=args.quantize_head)
-        tokenizer = None
-        try:
-            tokenizer = load_tokenizer(args.model)
-        except CheckpointError:
-            if args.prompt:
-                raise
+        engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
+                                     quantization=args.quantization, quantize_head=args.quantize_head,
+                                     threads=args.threads, tensor_parallel_size=args.tensor_parallel_size))
+        tokenizer = engine.tokenizer
+        if tokenizer is None and args.prompt:
+            load_tokenizer(args.model)  # raises, saying why there is none
         prompts: list[list[int]] = []
         for text in args.prompt or []:
             if args.chat:
                 prompts.append(chat_prompt_ids(tokenizer, [{"role": "user", "content": text}],
-                                               mask_id=model.special.mask_id))
+                                               mask_id=engine.model.special.mask_id))
             else:
-                prompts.append(encode_prompt_text(tokenizer, text, model.special.mask_id))
+                prompts.append(encode_prompt_text(tokenizer, text, engine.model.special.mask_id))
         for ids in args.prompt_ids or []:
             prompts.append([int(t) for t in ids.split(",") if t.strip()])
-        results = Engine.from_model(model, tokenizer, max_batch=args.max_batch).generate(prompts, params)
+        results = engine.generate(prompts, params)
     except (CheckpointError, DeviceError, DecodeParamError, RequestError, ValueError) as err:
         return fail(err)
     for result in results:

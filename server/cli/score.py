@@ -18,7 +18,8 @@ def add_parser(sub: Any) -> None:
     sc.add_argument("--chat", action="store_true", help="wrap --context as a user turn of the chat template")
     sc.add_argument("--samples", type=int, default=None, help="samples per split (default: the decoding default)")
     sc.add_argument("--seed", type=int, default=0, help="seeds the masks: the same seed, the same numbers")
-    add_engine_flags(sc, ("device", "dtype", "quantization", "quantize_head", "threads"))
+    add_engine_flags(sc, ("device", "dtype", "quantization", "quantize_head", "threads",
+                           "tensor_parallel_size"))
     sc.add_argument("--json", action="store_true", help="print one JSON object per continuation")
     sc.set_defaults(func=run)
 
@@ -32,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                                      quantization=args.quantization, quantize_head=args.quantize_head,
-                                     threads=args.threads))
+                                     threads=args.threads, tensor_parallel_size=args.tensor_parallel_size))
         if engine.tokenizer is None:
             raise CheckpointError("scoring text needs a checkpoint with a tokenizer")
         mask = engine.model.special.mask_id

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any, Optional
 
-from server.cli.args import add_setting, engine_flag_options, exit_now, fail, json_list
+from server.cli.args import ENGINE_FLAG_ALIASES, add_setting, engine_flag_options, exit_now, fail, json_list
 
 
 def add_parser(sub: Any) -> None:
@@ -17,7 +17,7 @@ def add_parser(sub: Any) -> None:
                            description="Every option can also be set as CAI_DLLM_<OPTION> in the environment.")
     engine = serve.add_argument_group("engine")
     add_setting(engine, "model", help="local checkpoint directory")
-    aliases = {"max_batch": ("--max-num-seqs",), "quantization": ("-q",)}
+    aliases = {"max_batch": ("--max-num-seqs",), "quantization": ("-q",), **ENGINE_FLAG_ALIASES}
     for name, options in engine_flag_options().items():
         unset = {"unset": threads_default()} if name == "threads" else {}
         add_setting(engine, name, *aliases.get(name, ()), **options, **unset)
@@ -34,6 +34,9 @@ def add_parser(sub: Any) -> None:
                      "between decode steps, so a step waits on one at most")
     add_setting(engine, "cuda_graphs", action=argparse.BooleanOptionalAction,
                  help="run the dual-cache step as CUDA graphs, one per batch bucket (CUDA only)")
+    add_setting(engine, "distributed_timeout", type=float,
+                help="with --tensor-parallel-size: seconds a rank may wait on another (a collective, a heartbeat) "
+                     "before the server fails /health and exits")
     sv = serve.add_argument_group("server")
     add_setting(sv, "served_model_name", help="the model id clients send", unset="the directory name")
     add_setting(sv, "host", help="address to listen on")
@@ -64,6 +67,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
+    import threading
 
     import uvicorn
 
@@ -91,7 +95,13 @@ def run(args: argparse.Namespace) -> int:
         load_failure.append(reason)
         server.should_exit = True
 
-    app = create_app(settings, on_load_failure=end_on_load_failure)
+    engine_fault: list[str] = []
+
+    def end_on_engine_fault(reason: str) -> None:  # every request in flight has failed; /health says why
+        engine_fault.append(reason)
+        threading.Timer(_FAULT_LINGER_SECONDS, lambda: setattr(server, "should_exit", True)).start()
+
+    app = create_app(settings, on_load_failure=end_on_load_failure, on_engine_fault=end_on_engine_fault)
 
     class DrainingServer(uvicorn.Server):
         """On SIGTERM/SIGINT: answer 503 to new work, finish what is in flight (up to
@@ -119,10 +129,16 @@ def run(args: argparse.Namespace) -> int:
     if load_failure:
         print(f"error: the model failed to load: {load_failure[0]}", file=sys.stderr)
         exit_now(1)
+    if engine_fault:
+        print(f"error: the engine failed: {engine_fault[0]}", file=sys.stderr)
+        exit_now(1)
     return 0
 
 
 _CLOSE_SECONDS = 5  # after the drain, for uvicorn to close the connections
+# after an engine fault, how long /health keeps answering 503 with the reason before the process
+# exits 1: a probe at kubelet's shortest period (1 s) reads it once
+_FAULT_LINGER_SECONDS = 1.0
 
 
 def _port_refusal(host: str, port: int) -> Optional[str]:

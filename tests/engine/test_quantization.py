@@ -12,12 +12,14 @@ import math
 
 import pytest
 import torch
+from fixture_checkpoints import block_fixture
 from safetensors.torch import load_file
 from serverproc import MODEL
 from torch import nn
 
 from engine import DeviceError, Engine, EngineConfig, load_model
 from engine.decoding.params import DEFAULT_BLOCK_LENGTH
+from engine.models.moe import SparseMoe
 from engine.quantization import (
     check_quantization,
     linear_weight_bytes,
@@ -36,6 +38,9 @@ LOGITS_TOLERANCE = {"int8": 0.03, "int4": 0.25}
 # A mixture of experts amplifies a small weight error where it flips a token's top-k expert choice (the
 # random tiny LLaDA2 flips 3 of 128 token-layer choices in int8), which moves that token by a whole expert.
 MOE_LOGITS_TOLERANCE = {"int8": 0.1, "int4": 0.3}
+# A routed expert is a gated MLP: its gate's and up's errors both reach the product (int4 ~13 % on
+# the fixture's experts, whose down projection is too narrow for NF4 blocks and stays float).
+EXPERT_TOLERANCE = {"int8": 0.02, "int4": 0.2}
 
 
 def _stored_bytes(linear: nn.Module) -> int:
@@ -198,16 +203,20 @@ def test_nf4_in_row_pieces_is_bitsandbytes_one_call_result():
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("family", ["sdar", "llada2"])
 def test_block_models_quantize_their_dense_layers_and_track_float(request, family, mode):
-    """SDAR and LLaDA2: every linear layer of the decoder layers is quantized but LLaDA2's stacked
-    routed experts (kept in the model dtype, engine.quantization); logits track the float model's;
-    the memory estimate is what the model stores."""
+    """SDAR and LLaDA2: every linear layer of the decoder layers is quantized, LLaDA2's routed experts
+    too (one linear pair per expert, engine.quantization); logits track the float model's; the
+    memory estimate is what the model stores."""
     checkpoint = request.getfixturevalue(f"{family}_dir")
     reference, model = load_model(checkpoint), load_model(checkpoint, quantization=mode)
     float_linears = [name for name, m in model.layers.named_modules() if isinstance(m, nn.Linear)
                      and type(m.weight) is nn.Parameter]
-    assert all(".experts." in name or (mode == "int4" and not nf4_fits(model.layers.get_submodule(name).in_features))
+    assert all(mode == "int4" and not nf4_fits(model.layers.get_submodule(name).in_features)
                for name in float_linears), float_linears
-    assert (family == "llada2") == any(".experts." in name for name in float_linears)
+    experts = [m.experts for m in model.modules() if isinstance(m, SparseMoe)]
+    assert (family == "llada2") == bool(experts)
+    for stacked in experts:  # no stacked float weight is left; each expert's gate|up is quantized
+        assert stacked.gate_up_proj is None and stacked.quantized is not None
+        assert all(type(pair.gate_up_proj.weight) is not nn.Parameter for pair in stacked.quantized)
     stored = sum(_stored_bytes(m) if isinstance(m, nn.Linear) and type(m.weight) is not nn.Parameter
                  else sum(p.nbytes for p in m.parameters(recurse=False)) for m in model.modules())
     stored += sum(p.nbytes for m in model.modules() if isinstance(m, nn.Linear) and type(m.weight) is not nn.Parameter
@@ -221,6 +230,24 @@ def test_block_models_quantize_their_dense_layers_and_track_float(request, famil
         want, got = reference(ids, block_size=block), model(ids, block_size=block)
     error = ((got - want).norm() / want.norm()).item()
     assert 0 < error < (MOE_LOGITS_TOLERANCE if family == "llada2" else LOGITS_TOLERANCE)[mode]
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_routed_experts_track_the_float_ones(tmp_path, mode):
+    """The fixtures' MoE model (LLaDA2) with its routed experts quantized: each MoE layer's routed
+    experts against their float selves, on tokens routed to every expert."""
+    checkpoint = block_fixture("llada2", tmp_path)
+    reference, model = load_model(checkpoint), load_model(checkpoint, quantization=mode)
+    gen = torch.Generator().manual_seed(0)
+    pairs = zip((m.experts for m in reference.modules() if isinstance(m, SparseMoe)),
+                (m.experts for m in model.modules() if isinstance(m, SparseMoe)), strict=True)
+    for want, got in pairs:
+        x = torch.randn(64, want.hidden_size, generator=gen)
+        ids = torch.randint(0, want.num_experts, (64, 2), generator=gen)
+        weights = torch.full((64, 2), 0.5)
+        expected, actual = want(x, ids, weights), got(x, ids, weights)
+        error = ((actual - expected).norm() / expected.norm()).item()
+        assert 0 < error < EXPERT_TOLERANCE[mode]
 
 
 def test_int4_keeps_a_layer_whose_rows_nf4_blocks_straddle_in_float():

@@ -1,0 +1,60 @@
+"""One rank's place in the tensor-parallel group and the collectives its layers call.
+
+Layers hold a `TensorParallel` (their rank, the group's size): what they build is their share of
+the weights, and their forward ends with one of these collectives. At size 1 every collective is
+the identity and nothing touches `torch.distributed`, so a single-device model runs exactly the
+code it ran before tensor parallelism existed. A model can be built for any rank on the meta
+device without a process group (the memory table, `bench/tp_memory.py`): only a forward needs one.
+
+The group is `torch.distributed`'s default (world) group, initialised by `engine.parallel.launch`
+(gloo on CPU, NCCL on CUDA) with a timeout, so a collective whose peer hung raises instead of
+waiting forever.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} is not a rank of a group of {self.size}")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `x` (in place), identical on every rank."""
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` [..., n] side by side along the last dimension, rank order: [..., size * n]."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    def split(self, total: int) -> tuple[int, int]:
+        """(start, count) of this rank's even share of `total` items (heads, rows, experts); the
+        caller has checked that size divides total (`engine.parallel.sharding.check_divisible`)."""
+        count = total // self.size
+        return self.rank * count, count
+
+    def padded_split(self, total: int) -> tuple[int, int, int]:
+        """(start, real, padded) of this rank's share of `total` rows when size need not divide it:
+        every rank holds `padded` = ceil(total / size) rows, of which the first `real` exist (the
+        vocabulary: the last rank's shard is padded so that every rank gathers the same width)."""
+        padded = -(-total // self.size)
+        start = min(total, self.rank * padded)
+        return start, min(total, start + padded) - start, padded
+
+
+SINGLE = TensorParallel()
