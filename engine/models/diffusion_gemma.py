@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Optional
 import torch
 from torch import nn
 
-from engine.errors import CheckpointError
+from engine.errors import CheckpointError, TensorParallelError
 from engine.models.attention import AttentionFn
 from engine.models.config import ModelConfig
 from engine.models.config_parsing import config_errors, hf_sizes, refuse_unsupported
@@ -39,6 +39,7 @@ from engine.models.gemma4_moe import MOE_KERNELS, Gemma4Experts
 from engine.models.gemma4_ops import KindRotaryEmbedding, rms_norm_unweighted
 from engine.models.layers import Float32ScaleRMSNorm
 from engine.models.transformer import check_input_ids
+from engine.parallel.group import SINGLE, TensorParallel
 from engine.special_tokens import SpecialTokens
 
 # DiffusionGemmaConfig's class defaults, for a config.json that omits the key (transformers 5.23).
@@ -69,10 +70,15 @@ class DiffusionGemmaModel(nn.Module):
     uses_mask_token: ClassVar[bool] = False  # uniform noise: the canvas starts from random ids
 
     def __init__(self, config: ModelConfig, special: Optional[SpecialTokens],
-                 hf_config: Optional[dict[str, Any]] = None) -> None:
+                 hf_config: Optional[dict[str, Any]] = None, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         if config.gemma is None:
             raise ValueError("a DiffusionGemma model needs ModelConfig.gemma")
+        if tp.size > 1:
+            raise TensorParallelError(f"{self.display_name} runs on one device: --tensor-parallel-size "
+                                      f"{tp.size} is not supported for it yet (docs/operations.md, 'Several GPUs')")
+        self.tp = tp
+        self.vocab_start, self.vocab_rows, _ = tp.padded_split(config.vocab_size)  # the whole vocabulary
         self.config = config
         self.special = special  # None only where a checkpoint's ids are not needed (inspect)
         self.hf_config = dict(hf_config or {})
