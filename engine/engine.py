@@ -27,13 +27,14 @@ from engine.batch import Batch
 from engine.config import EngineConfig
 from engine.cpus import default_threads
 from engine.decoding.decide import decide_step
-from engine.decoding.params import DEFAULT_BLOCK_LENGTH, EDIT_POLICIES, DecodeParamError, DecodeParams, resolve_defaults
+from engine.decoding.params import EDIT_POLICIES, DecodeParamError, DecodeParams, with_model_defaults
 from engine.decoding.types import GenerationResult
 from engine.dual_graphs import DualStepGraphs
 from engine.errors import CheckpointError, RequestError
 from engine.loading.tokenizer import encode_text, load_tokenizer
 from engine.loading.weights import load_model
 from engine.model_runner import ModelRunner
+from engine.models.registry import Family, family_of
 from engine.models.transformer import DiffusionTransformer
 from engine.request import Request, StepOutput
 from engine.scheduler import Scheduler
@@ -92,12 +93,19 @@ class Engine:
     def architecture(self) -> str:
         return self.model.config.architecture
 
+    @functools.cached_property
+    def family(self) -> Family:
+        """The model family's facts (engine/models/registry.py)."""
+        return family_of(self.model)
+
     @property
     def model_block_length(self) -> Optional[int]:
-        """The block a block-diffusion model decodes a request that names none with: the block it was
-        trained with (SDAR's `block_size`), else the official decoders' 32 (LLaDA2's config names
-        none); None for masked-diffusion models, whose default block follows the canvas (DecodeParams)."""
-        return (self.model.block_size or DEFAULT_BLOCK_LENGTH) if self.block_causal else None
+        """The block a request that names none decodes with, when the model decides it: for a
+        block-diffusion model the block it was trained with (SDAR's `block_size`), else its family's
+        (the official decoders' 32: LLaDA2's config names none); None for masked-diffusion models,
+        whose default block follows the canvas (DecodeParams.effective_block_length)."""
+        default = self.family.default_block
+        return None if default is None else (self.model.block_size or default)
 
     def default_params(self, params: Optional[DecodeParams] = None) -> DecodeParams:
         """`params` (or the defaults) with this model's defaults filled in."""
@@ -105,7 +113,7 @@ class Engine:
         block = self.model_block_length
         if block is not None and params.block_length is None and params.gen_length % block == 0:
             params = params.with_overrides(block_length=block)
-        return resolve_defaults(params, self.architecture)
+        return with_model_defaults(params, self.family.default_cache, self.family.gating)
 
     # ------------------------------------------------------------------ the step API
 

@@ -1,8 +1,9 @@
 """Per-request decoding parameters: one frozen dataclass, validated on construction.
 
 Field names are the paper's and the API's (`decoding` object, `cai-dllm generate` flags). `None`
-means "the model's default" and is filled by `resolve_defaults` (gating on for LLaDA, off for
-Dream; Dream's own policies decode the canvas as one block, as `diffusion_generate` does).
+means "the model's default" and is filled by `with_model_defaults` from the model's family
+(engine/models/registry.py: gating on for LLaDA, off for Dream; Dream's own policies decode the
+canvas as one block, as `diffusion_generate` does).
 """
 
 from __future__ import annotations
@@ -22,14 +23,10 @@ EDIT_POLICIES = ("block-edit",)
 CACHE_MODES = ("none", "prefix", "dual", "exact")
 # block-diffusion attention: the block-causal mask, or LLaDA2.1's official additive 0/1 mask (no cache)
 BLOCK_ATTENTION_MODES = ("block_causal", "additive_01")
-BLOCK_ARCHITECTURES = ("sdar", "llada2")
 BLOCK_SCHEDULE_MODES = ("clamp", "stretch")
 ETA_DENOMINATORS = ("generation", "block")
 GRINDING_EXITS = ("continue", "fill")
 DEFAULT_BLOCK_LENGTH = 32  # LLaDA's and Fast-dLLM's block; Dream's own policies take the canvas as one block
-# CAI's gating (budgets, grinding detector) is on by default for LLaDA (the paper) and the block-diffusion
-# families, masked-diffusion models like it; off for Dream (the paper)
-GATED_ARCHITECTURES = ("llada", "sdar", "llada2")
 
 
 class DecodeParamError(ValueError):
@@ -248,16 +245,15 @@ def json_schema(leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
             "description": "Per-request decoding knobs (DecodeParams; docs/decoding.md)."}
 
 
-def resolve_defaults(params: DecodeParams, architecture: str) -> DecodeParams:
-    """Fill the fields whose default depends on the model (paper: gating on for LLaDA, off for Dream;
-    block-diffusion models decode against their exact cache unless their mask cannot be cached)."""
+def with_model_defaults(params: DecodeParams, cache: str, gating: bool) -> DecodeParams:
+    """The fields left to the model filled with its family's defaults (engine/models/registry.py): its
+    cache (a cache needs the block-causal mask and no guidance: otherwise "none"), CAI's gating."""
     updates: dict[str, Any] = {}
     if params.cache is None:  # (guidance cannot be cached: left to the model's mode to accept or refuse)
-        exact = (architecture in BLOCK_ARCHITECTURES and params.block_attention == "block_causal"
-                 and params.cfg_scale == 0)
-        updates["cache"] = "exact" if exact else "none"
+        cached = params.block_attention == "block_causal" and params.cfg_scale == 0
+        updates["cache"] = cache if cached else "none"
     if params.gating is None:
-        updates["gating"] = architecture in GATED_ARCHITECTURES
+        updates["gating"] = gating
     if params.block_length is None:
         updates["block_length"] = params.effective_block_length
     if params.steps is None:

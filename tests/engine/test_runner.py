@@ -204,11 +204,9 @@ def test_unknown_parameter_is_named():
 
 
 def test_gating_default_comes_from_the_model(llada_model, dream_model):
-    from engine.decoding.params import resolve_defaults
-
-    assert resolve_defaults(DecodeParams(), llada_model.config.architecture).gating is True
-    assert resolve_defaults(DecodeParams(), dream_model.config.architecture).gating is False
-    assert resolve_defaults(DecodeParams(gating=True), dream_model.config.architecture).gating is True
+    assert Engine.from_model(llada_model).default_params().gating is True
+    assert Engine.from_model(dream_model).default_params().gating is False
+    assert Engine.from_model(dream_model).default_params(DecodeParams(gating=True)).gating is True
 
 
 def test_engine_facade(fixtures):

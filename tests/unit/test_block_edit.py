@@ -10,7 +10,7 @@ import torch
 from engine.advance import advance
 from engine.decoding import policies as P
 from engine.decoding.decide import PolicyInputs, decide_block_edit
-from engine.decoding.params import DecodeParamError, DecodeParams, resolve_defaults
+from engine.decoding.params import DecodeParamError, DecodeParams, with_model_defaults
 from engine.decoding.sampling import predict
 from engine.request import Request
 from engine.summary import COUNTS, RowSummary
@@ -135,7 +135,8 @@ def test_the_decoder_knobs_are_checked():
         DecodeParams(eos_early_stop=True, early_exit=False)
     assert err.value.param == "eos_early_stop"
 
-    # the cache defaults to the exact one for block-diffusion models, unless their mask cannot be cached
-    assert resolve_defaults(DecodeParams(), "sdar").cache == "exact"
-    assert resolve_defaults(DecodeParams(block_attention="additive_01"), "llada2").cache == "none"
-    assert resolve_defaults(DecodeParams(), "llada").cache == "none"
+    # the cache defaults to the family's (the exact one for block-diffusion models), unless the mask
+    # cannot be cached
+    assert with_model_defaults(DecodeParams(), "exact", True).cache == "exact"
+    assert with_model_defaults(DecodeParams(block_attention="additive_01"), "exact", True).cache == "none"
+    assert with_model_defaults(DecodeParams(), "none", True).cache == "none"
