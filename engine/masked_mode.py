@@ -46,6 +46,11 @@ class MaskedDiffusion(DecodingMode):
     def geometry(self, prompt_len: int, params: DecodeParams) -> Geometry:
         return Geometry(prompt_len, prompt_len + params.gen_length, params.effective_block_length)
 
+    def check_rules(self, params: DecodeParams) -> None:
+        if params.gen_length % params.effective_block_length:
+            self.refuse("block_length", f"block_length must divide gen_length ({params.gen_length}), got "
+                                        f"{params.effective_block_length}")
+
     def plan(self, request: Request) -> RowPlan:
         p = request.params
         if p.cache == "none" or request.step == 0 or (p.refresh_interval and request.step % p.refresh_interval == 0):

@@ -48,8 +48,7 @@ def _registry() -> Any:
 class DecodeParams:
     policy: str = knob("cai", Words(_policy_names), reads=ANY_POLICY)
     gen_length: int = knob(128, Int(low=1), reads=_CAI)  # CAI: Box 7's L (eta_denominator "generation")
-    # None: the model's block (the family table) when it divides gen_length, else DEFAULT_BLOCK_LENGTH, or the
-    # canvas for one-block policies
+    # None: the model's block (the family table), else DEFAULT_BLOCK_LENGTH, or the canvas for one-block policies
     block_length: Optional[int] = knob(None, Int(low=1))
     steps: Optional[int] = knob(None, Int(low=1))  # total denoising steps over the canvas; None: one per position
     temperature: float = knob(0.0, Float(low=0.0))
@@ -111,12 +110,11 @@ class DecodeParams:
 
     def __post_init__(self) -> None:
         K.check_fields(self)
-        if self.block_length is not None and self.gen_length % self.block_length:
-            raise DecodeParamError("block_length", f"must divide gen_length ({self.gen_length}), "
-                                   f"got {self.block_length}")
         if self.steps is not None:
-            # a step commits at least one token: more steps than tokens would never run
-            K.Int(high=self.gen_length)("steps", self.steps)
+            # a step commits at least one token: more steps than canvas positions would never run
+            if self.steps > self.num_blocks * self.effective_block_length:
+                raise DecodeParamError("steps", f"must be <= {self.num_blocks * self.effective_block_length} (one "
+                                       f"per canvas position), got {self.steps}")
             if self.steps % self.num_blocks:
                 raise DecodeParamError("steps", f"must be a multiple of the number of blocks "
                                        f"({self.num_blocks}), got {self.steps}")
@@ -138,11 +136,13 @@ class DecodeParams:
 
     @property
     def num_blocks(self) -> int:
-        return self.gen_length // self.effective_block_length
+        """Blocks of the canvas (a block-diffusion model may decode one more: its blocks count from
+        the prompt's first token, engine/block_mode.py)."""
+        return -(-self.gen_length // self.effective_block_length)
 
     @property
     def total_steps(self) -> int:
-        return self.steps if self.steps is not None else self.gen_length
+        return self.steps if self.steps is not None else self.num_blocks * self.effective_block_length
 
     @property
     def max_steps(self) -> int:
@@ -181,11 +181,11 @@ class DecodeParams:
         its block (None: the canvas decides), its cache (a cache needs the block-causal mask and no
         guidance: otherwise "none"), CAI's gating; then the steps (one per canvas position)."""
         updates: dict[str, Any] = {}
-        if self.block_length is None:  # the model's block when it divides the canvas
-            whole = block_length is not None and self.gen_length % block_length == 0
-            updates["block_length"] = block_length if whole else self.effective_block_length
+        block = self.block_length or block_length or self.effective_block_length
+        if self.block_length is None:
+            updates["block_length"] = block
         if self.steps is None:
-            updates["steps"] = self.total_steps
+            updates["steps"] = -(-self.gen_length // block) * block
         if self.cache is None:  # (guidance cannot be cached: left to the model's mode to accept or refuse)
             cached = self.block_attention == "block_causal" and self.cfg_scale == 0
             updates["cache"] = cache if cached else "none"
