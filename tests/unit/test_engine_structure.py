@@ -46,11 +46,11 @@ def test_no_import_circle_in_the_engine():
     done: set[str] = set()
 
     def visit(module: str, path: list[str]) -> None:
-        assert module not in path, f"import circle: {' -> '.join(path[path.index(module):] + [module])}"
+        assert module not in path, f"import circle: {' -> '.join([*path[path.index(module):], module])}"
         if module in done:
             return
         for imported in sorted(graph.get(module, ())):
-            visit(imported, path + [module])
+            visit(imported, [*path, module])
         done.add(module)
 
     for module in sorted(graph):
