@@ -10,8 +10,8 @@ Each run is a fresh interpreter with PYTHONPATH set to its tree, so each tree de
 engine; the worker below imports what both layouts have (`engine.Engine`, `engine.chat`, and the
 task family from `tinymodels` or, in older trees, `engine.builtin`). Generated tokens are the
 response tokens (before the end token); accuracy is exact match, the same grader as `cai-dllm eval`.
-"forward" is the median share of a run's time spent inside `model.forward` (the rest is the host's):
-what the host side of an engine can win at most.
+"forward" is the median share of a run's time spent inside `model.forward` (and a block-diffusion
+model's `forward_cached`; the rest is the host's): what the host side of an engine can win at most.
 
     git worktree add /tmp/main-old <commit>
     python bench/offline_vs_baseline.py --baseline /tmp/main-old --n 256 --repeats 3 \
@@ -66,17 +66,21 @@ def worker(model: str, n: int, batch: int, threads: int, config: str) -> None:
     prompts = [chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": p.prompt}]) for p in problems]
     params = DecodeParams(**CONFIGS[config])
     engine.generate(prompts[:batch], params)  # warm-up
-    forward = engine.model.forward
     in_forward = [0.0]
 
-    def timed_forward(*args, **kwargs):  # type: ignore[no-untyped-def]
-        begun = time.perf_counter()
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            in_forward[0] += time.perf_counter() - begun
+    def timed(forward):  # type: ignore[no-untyped-def]
+        def timed_forward(*args, **kwargs):  # type: ignore[no-untyped-def]
+            begun = time.perf_counter()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                in_forward[0] += time.perf_counter() - begun
+        return timed_forward
 
-    engine.model.forward = timed_forward  # an instance attribute: what the engine calls, timed
+    # instance attributes: what the engine calls, timed (a block-diffusion model's cached forward too)
+    for name in ("forward", "forward_cached"):
+        if hasattr(engine.model, name):
+            setattr(engine.model, name, timed(getattr(engine.model, name)))
     start = time.perf_counter()
     results = engine.generate(prompts, params)
     seconds = time.perf_counter() - start

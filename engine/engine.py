@@ -147,17 +147,13 @@ class Engine:
             params = self.default_params(params)
         except DecodeParamError as err:  # a knob that conflicts with this model's defaults
             raise RequestError(str(err), param=err.param, code="invalid_decoding") from err
-        self._check_mode(params)
+        self.mode.check(params)  # a knob, cache or policy that this model's decoding mode does not have
         geometry = self.mode.geometry(len(prompt_ids), params)
         if geometry.length > self.max_model_len:
             raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
                                f"has {len(prompt_ids)} and the generation canvas {params.gen_length} "
                                f"({geometry.length} in all)", param="gen_length", code="context_length_exceeded")
         return params, geometry
-
-    def _check_mode(self, params: DecodeParams) -> None:
-        """RequestError for a knob, cache or policy that this model's decoding mode does not have."""
-        self.mode.check(params)
 
     def add_request(self, prompt_ids: Sequence[int], params: Optional[DecodeParams] = None,
                     request_id: Optional[str] = None, queued_at: Optional[float] = None) -> str:
