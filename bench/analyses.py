@@ -136,9 +136,8 @@ def steps_saved_per_block(engine: Engine, problems, gen_length: int, block_lengt
                                      "steps": gen_length, "cache": "dual", "refresh_interval": refresh,
                                      "early_exit": False})
     from engine.decoding import DecodeParams
-    from engine.decoding.params import resolve_defaults
 
-    params = resolve_defaults(DecodeParams.from_dict(config.params), architecture)
+    params = engine.default_params(DecodeParams.from_dict(config.params))
     prompts = [chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": p.prompt}]) for p in problems]
     results = engine.generate(prompts, params)
     blocks = gen_length // block_length

@@ -10,12 +10,15 @@ Each run is a fresh interpreter with PYTHONPATH set to its tree, so each tree de
 engine; the worker below imports what both layouts have (`engine.Engine`, `engine.chat`, and the
 task family from `tinymodels` or, in older trees, `engine.builtin`). Generated tokens are the
 response tokens (before the end token); accuracy is exact match, the same grader as `cai-dllm eval`.
-"forward" is the median share of a run's time spent inside `model.forward` (the rest is the host's):
-what the host side of an engine can win at most.
+"forward" is the median share of a run's time spent inside `model.forward` (and a block-diffusion
+model's `forward_cached`; the rest is the host's): what the host side of an engine can win at most.
 
     git worktree add /tmp/main-old <commit>
     python bench/offline_vs_baseline.py --baseline /tmp/main-old --n 256 --repeats 3 \
         > bench/results/offline_vs_baseline_cpu.txt
+
+A configuration decodes `--model` unless it names its own built-in model (`MODELS`): the block
+policy runs on `models/sdar-tiny`, with its trained block.
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ CONFIGS = {
     "cai": {"policy": "cai", "gen_length": 128, "block_length": 32, "steps": 128},
     "threshold 0.9 dual": {"policy": "threshold", "threshold": 0.9, "gen_length": 128, "block_length": 32,
                            "steps": 128, "cache": "dual", "refresh_interval": 16},
+    "block-dynamic 0.9 sdar": {"policy": "block-dynamic", "threshold": 0.9, "gen_length": 128, "steps": 128},
 }
+MODELS = {"block-dynamic 0.9 sdar": REPO / "models" / "sdar-tiny"}  # configurations not on --model
 
 
 def worker(model: str, n: int, batch: int, threads: int, config: str) -> None:
@@ -61,17 +66,21 @@ def worker(model: str, n: int, batch: int, threads: int, config: str) -> None:
     prompts = [chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": p.prompt}]) for p in problems]
     params = DecodeParams(**CONFIGS[config])
     engine.generate(prompts[:batch], params)  # warm-up
-    forward = engine.model.forward
     in_forward = [0.0]
 
-    def timed_forward(*args, **kwargs):  # type: ignore[no-untyped-def]
-        begun = time.perf_counter()
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            in_forward[0] += time.perf_counter() - begun
+    def timed(forward):  # type: ignore[no-untyped-def]
+        def timed_forward(*args, **kwargs):  # type: ignore[no-untyped-def]
+            begun = time.perf_counter()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                in_forward[0] += time.perf_counter() - begun
+        return timed_forward
 
-    engine.model.forward = timed_forward  # an instance attribute: what the engine calls, timed
+    # instance attributes: what the engine calls, timed (a block-diffusion model's cached forward too)
+    for name in ("forward", "forward_cached"):
+        if hasattr(engine.model, name):
+            setattr(engine.model, name, timed(getattr(engine.model, name)))
     start = time.perf_counter()
     results = engine.generate(prompts, params)
     seconds = time.perf_counter() - start
@@ -84,7 +93,8 @@ def worker(model: str, n: int, batch: int, threads: int, config: str) -> None:
 
 def run(tree: Path, args: argparse.Namespace, config: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    out = subprocess.run([sys.executable, __file__, "--worker", "--model", args.model, "--n", str(args.n),
+    model = str(MODELS.get(config, args.model))
+    out = subprocess.run([sys.executable, __file__, "--worker", "--model", model, "--n", str(args.n),
                           "--batch", str(args.batch), "--threads", str(args.threads), "--config", config],
                          cwd=tree, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -112,10 +122,11 @@ def main() -> None:
     this_commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                                  capture_output=True, text=True).stdout.strip()
     print(f"# {platform.machine()}, {args.threads} threads, CPU, float32; {args.n} held-out problems of "
-          f"{Path(args.model).name}, batch {args.batch}; runs alternated, {args.repeats} each")
+          f"{Path(args.model).name} (sdar-tiny where a configuration says so), batch {args.batch}; runs "
+          f"alternated, {args.repeats} each")
     print(f"# this tree: {this_commit} (+ uncommitted changes if any); baseline: {baseline_commit}")
     print(f"# command: python bench/offline_vs_baseline.py --baseline {args.baseline} --n {args.n} "
-          f"--batch {args.batch} --threads {args.threads} --repeats {args.repeats}")
+          f"--batch {args.batch} --threads {args.threads} --repeats {args.repeats} --configs '{args.configs}'")
     print(f"{'configuration':20s} {'tree':9s} {'tok/s runs':32s} {'median':>8s} {'best':>6s} {'accuracy':>9s} "
           f"{'NFE':>6s} {'forward':>8s}")
     for config in args.configs.split(";"):

@@ -56,9 +56,8 @@ class FullForwardCounter:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.count = 0
-        self._runner = runner
-        self._full = runner._full
-        runner._full = self
+        self._full = runner.forwards["full"]
+        runner.forwards["full"] = self
 
     def __call__(self, *args, **kwargs):
         self.count += 1

@@ -7,9 +7,10 @@ schedule -> run -> postprocess:
             output.new_token_ids, output.finished, output.result
 
 `step()` = the scheduler admits waiting requests into free slots (`Slots.admit` writes their device
-state); the step's `Batch` is built; the model runner runs the forwards; the decide step (the
-policies) commits tokens; one device-to-host transfer brings every row's summary back; the scheduler
-advances and finishes rows from it.
+state); the step's `Batch` is built, each row's plan made once by the decoding mode (chosen from the
+model's family: `engine/mode.py`); the model runner runs the planned forwards; the decide step (the
+policies) commits tokens, written back into the slots once; one device-to-host transfer brings every
+row's summary back; the scheduler advances and finishes rows from it (`engine/advance.py`).
 """
 
 from __future__ import annotations
@@ -27,16 +28,17 @@ from engine import summary
 from engine.batch import Batch
 from engine.config import EngineConfig
 from engine.cpus import set_threads
-from engine.decoding.decide import decide_step
-from engine.decoding.params import DEFAULT_BLOCK_LENGTH, EDIT_POLICIES, DecodeParamError, DecodeParams, resolve_defaults
+from engine.decide import decide_step
+from engine.decoding.params import DecodeParamError, DecodeParams
 from engine.decoding.types import GenerationResult, RequestStats
 from engine.dual_graphs import DualStepGraphs
 from engine.errors import CheckpointError, RequestError
 from engine.loading.tokenizer import load_tokenizer
 from engine.loading.weights import load_model
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, decoding_mode
+from engine.models.registry import Family, family_of
 from engine.models.transformer import DiffusionTransformer
-from engine.request import Request, StepOutput
+from engine.request import Geometry, Request, StepOutput
 from engine.scheduler import Scheduler
 from engine.scoring import ScoringJob, scoring_cost
 from engine.slots import Slots
@@ -94,8 +96,6 @@ class Engine:
                                  model.config.max_position_embeddings)
         self._end_ids = torch.tensor(model.special.end_ids, device=model.device)
         self._end_set = frozenset(model.special.end_ids)
-        # block diffusion (SDAR, LLaDA2): the block-causal mode (engine.block_runner, docs/decoding.md)
-        self.block_causal = model.block_causal
         self._ids = itertools.count()
         self.reset()
 
@@ -107,26 +107,33 @@ class Engine:
         self.scheduler = Scheduler(self.max_batch, self.model.device)
         self.slots = Slots(self.model, self.max_batch)
         graphs = DualStepGraphs(self.model, self.max_batch, capture=True) if self.config.cuda_graphs else None
-        self.runner = ModelRunner(self.model, self.slots, graphs)
+        # the decoding mode of the model's family (masked or block diffusion): the same for every reset
+        self.mode = decoding_mode(self.family.mode, self.model, self.slots, graphs)
+        self.runner = ModelRunner(self.mode, self.slots)
 
     @property
     def architecture(self) -> str:
         return self.model.config.architecture
 
+    @functools.cached_property
+    def family(self) -> Family:
+        """The model family's facts (engine/models/registry.py)."""
+        return family_of(self.model)
+
     @property
     def model_block_length(self) -> Optional[int]:
-        """The block a block-diffusion model decodes a request that names none with: the block it was
-        trained with (SDAR's `block_size`), else the official decoders' 32 (LLaDA2's config names
-        none); None for masked-diffusion models, whose default block follows the canvas (DecodeParams)."""
-        return (self.model.block_size or DEFAULT_BLOCK_LENGTH) if self.block_causal else None
+        """The block a request that names none decodes with, when the model decides it: for a
+        block-diffusion model the block it was trained with (SDAR's `block_size`), else its family's
+        (the official decoders' 32: LLaDA2's config names none); None for masked-diffusion models,
+        whose default block follows the canvas (DecodeParams.effective_block_length)."""
+        default = self.family.default_block
+        return None if default is None else (self.model.block_size or default)
 
     def default_params(self, params: Optional[DecodeParams] = None) -> DecodeParams:
         """`params` (or the defaults) with this model's defaults filled in."""
-        params = params or DecodeParams()
-        block = self.model_block_length
-        if block is not None and params.block_length is None and params.gen_length % block == 0:
-            params = params.with_overrides(block_length=block)
-        return resolve_defaults(params, self.architecture)
+        family = self.family
+        return (params or DecodeParams()).with_model_defaults(self.model_block_length, family.default_cache,
+                                                              family.gating)
 
     # ------------------------------------------------------------------ the step API
 
@@ -156,6 +163,10 @@ class Engine:
 
     def validate(self, prompt_ids: Sequence[int], params: DecodeParams) -> DecodeParams:
         """The request's parameters with the model's defaults filled; RequestError if unusable."""
+        return self._resolve(prompt_ids, params)[0]
+
+    def _resolve(self, prompt_ids: Sequence[int], params: DecodeParams) -> tuple[DecodeParams, Geometry]:
+        """The request's resolved parameters and where its canvas lies (its mode's geometry)."""
         self.check_prompt(prompt_ids)
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise RequestError(f"at most {self.config.max_logprobs} top logprobs per token can be returned "
@@ -164,51 +175,22 @@ class Engine:
             params = self.default_params(params)
         except DecodeParamError as err:  # a knob that conflicts with this model's defaults
             raise RequestError(str(err), param=err.param, code="invalid_decoding") from err
-        self._check_mode(params)
-        total = len(prompt_ids) + params.gen_length
-        if self.block_causal:  # the canvas ends on a block boundary
-            block = params.effective_block_length
-            total = -(-total // block) * block
-        if total > self.max_model_len:
+        self.mode.check(params)  # a knob, cache or policy that this model's decoding mode does not have
+        geometry = self.mode.geometry(len(prompt_ids), params)
+        if geometry.length > self.max_model_len:
             raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
                                f"has {len(prompt_ids)} and the generation canvas {params.gen_length} "
-                               f"({total} in all)", param="gen_length", code="context_length_exceeded")
-        return params
-
-    def _check_mode(self, params: DecodeParams) -> None:
-        """RequestError for a knob that this model's decoding mode does not have."""
-        if not self.block_causal:
-            block_only = {"store_pass": params.store_pass, "cache": params.cache == "exact",
-                          "block_attention": params.block_attention != "block_causal",
-                          "policy": params.policy in EDIT_POLICIES, "eos_early_stop": params.eos_early_stop}
-            for name, bad in block_only.items():
-                if bad:
-                    raise RequestError(f"{name}={getattr(params, name)!r} applies to block-diffusion models only "
-                                       f"({self.model.display_name} is not one; docs/decoding.md)", param=name,
-                                       code="invalid_decoding")
-            return
-        unsupported = {"cache": params.cache not in ("exact", "none"), "refresh_interval": params.refresh_interval > 0,
-                       "cfg_scale": params.cfg_scale > 0,
-                       "commit_first_at_block_start": params.commit_first_at_block_start,
-                       "policy": params.policy.startswith("dream-")}
-        for name, bad in unsupported.items():
-            if bad:
-                raise RequestError(f"{name}={getattr(params, name)!r} is not available for block-diffusion models "
-                                   f"({self.model.display_name}): they decode against their exact block cache "
-                                   f"(cache 'exact') or re-run their window (cache 'none'; docs/decoding.md)",
-                                   param=name, code="invalid_decoding")
-        if params.store_pass and params.cache == "none":
-            raise RequestError("store_pass writes a finished block into the exact cache: it needs cache='exact'",
-                               param="store_pass", code="invalid_decoding")
+                               f"({geometry.length} in all)", param="gen_length", code="context_length_exceeded")
+        return params, geometry
 
     def add_request(self, prompt_ids: Sequence[int], params: Optional[DecodeParams] = None,
                     request_id: Optional[str] = None, queued_at: Optional[float] = None) -> str:
         """Queue a request; it joins the batch at the next step with a free row. Thread-safe."""
         ids = tuple(int(t) for t in prompt_ids)
-        resolved = self.validate(ids, params or DecodeParams())
+        resolved, geometry = self._resolve(ids, params or DecodeParams())
         request_id = request_id or f"req-{next(self._ids)}"
-        request = Request(request_id, ids, resolved, self.model.special.mask_id, self._end_set,
-                          queued_at if queued_at is not None else time.perf_counter(), block_causal=self.block_causal)
+        request = Request(request_id, ids, resolved, geometry, self.model.special.mask_id, self._end_set,
+                          queued_at if queued_at is not None else time.perf_counter())
         self.scheduler.add(request)
         return request_id
 
@@ -239,22 +221,22 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """One denoising iteration of every running row (after admitting waiting requests)."""
         for request in self.scheduler.schedule():
-            self.slots.admit(request, self.scheduler.running)
+            self.slots.admit(request, self.scheduler.running, self.mode.blank)
         if not self.scheduler.running:
             return []
-        batch = Batch.build(list(self.scheduler.running), self.model.device)
+        batch = Batch.build(list(self.scheduler.running), self.mode.plan, self.model.device)
         out = self.runner.run(batch)
-        new_tokens, encoded = decide_step(batch, self.slots.tables, out.logits, out.block_tokens, out.in_block,
-                                          self.model.special.mask_id, self._end_ids)
-        self.runner.commit(batch, out, new_tokens)
-        rows = summary.decode(encoded.tolist(), batch.width, batch.logprob_k)  # the step's one device-to-host read
-        return self.scheduler.postprocess(batch.requests, rows, out.fed_tokens)
+        decided = decide_step(batch, self.slots.rows(batch), out, self.mode, self._end_ids)
+        self.slots.write_back(batch, out.positions, decided.tokens, decided.first_conf, decided.low_yield)
+        # the step's one device-to-host read
+        rows = summary.decode(decided.summary.tolist(), batch.width, batch.logprob_k)
+        return self.scheduler.postprocess(batch, rows, self.mode)
 
     # ------------------------------------------------------------------ likelihood
 
     def check_score(self, prompt_ids: Sequence[int], samples: int) -> None:
         """RequestError unless scoring this prompt fits the model's context and `max_score_tokens`."""
-        if self.block_causal:
+        if not self.mode.scores_likelihood:
             raise RequestError(f"likelihood scoring (echo with logprobs) is not available for block-diffusion "
                                f"models ({self.model.display_name}): engine.scoring's estimator is LLaDA's, for "
                                f"full-attention masked diffusion; generate without echo instead", param="echo",

@@ -2,8 +2,10 @@
 
 A `Request` is host-side bookkeeping only: where the row is in its canvas (block, step), a host
 mirror of its generated tokens, its telemetry, and the slot whose device tensors hold the rest
-(canvas, KV cache, knobs, CAI state: `engine.slots`). Everything here is updated from the one
+(canvas, KV cache, knobs, policy state: `engine.slots`). Everything here is updated from the one
 summary a step transfers back (`engine.summary`), so no field needs a device read of its own.
+Where its canvas lies is its decoding mode's (`Geometry`, from `engine.mode`); how it advances is
+`engine.advance`'s.
 """
 
 from __future__ import annotations
@@ -15,15 +17,20 @@ from typing import Optional
 
 import torch
 
-from engine.decoding.params import BLOCK_SCHEDULE_POLICIES, EDIT_POLICIES, DecodeParams
-from engine.decoding.policies import dream_quota, dream_transfer_fractions, fixed_quota
+from engine.decoding.params import DecodeParams
+from engine.decoding.registry import POLICIES
 from engine.decoding.types import GenerationResult, RequestStats, TokenLogprob
 
-FORWARD_FULL, FORWARD_DUAL, FORWARD_PREFIX = "full", "dual", "prefix"
-# Block-diffusion rows (`block_causal`): a denoising forward of the row's block against its exact
-# cache (the clean tokens not yet cached ride along in front of it), or SDAR's store pass; without
-# a cache (`cache="none"`), a full forward of the window (prompt, finished blocks and the block).
-FORWARD_BLOCK, FORWARD_STORE, FORWARD_WINDOW = "block", "store", "window"
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where a row's canvas lies: its first decoded block starts at canvas index `origin` (the
+    prompt's end, or for a block-diffusion row the block boundary before it, so that the block holds
+    the prompt's tail) and its last block ends at `length`; blocks are `block_length` wide."""
+
+    origin: int
+    length: int
+    block_length: int
 
 
 @dataclass(frozen=True)
@@ -58,45 +65,31 @@ class StepOutput:
 class Request:
     """Host state of one request, from `Engine.add_request` until it finishes or is aborted."""
 
-    def __init__(self, request_id: str, prompt_ids: Sequence[int], params: DecodeParams, mask_id: int,
-                 end_ids: frozenset[int], queued_at: float, block_causal: bool = False) -> None:
+    def __init__(self, request_id: str, prompt_ids: Sequence[int], params: DecodeParams, geometry: Geometry,
+                 mask_id: int, end_ids: frozenset[int], queued_at: float) -> None:
         self.request_id = request_id
         self.prompt_ids = tuple(prompt_ids)
         self.params = params  # resolved: no None left where the model decides
         self.prompt_len = len(self.prompt_ids)
         self.gen_length = params.gen_length
-        self.block_length = params.effective_block_length
-        # A block-diffusion row's blocks count from position 0 (as the model's): its first decoded
-        # block starts at `origin` and holds the prompt's tail; its canvas ends at the block boundary
-        # past prompt + gen_length, as the official decoders round it. Elsewhere origin = prompt_len.
-        self.block_causal = block_causal
-        if block_causal:
-            width = self.block_length
-            self.origin = self.prompt_len // width * width
-            self.length = -(-(self.prompt_len + self.gen_length) // width) * width
-            self.num_blocks = (self.length - self.origin) // width
-        else:
-            self.origin = self.prompt_len
-            self.length = self.prompt_len + self.gen_length
-            self.num_blocks = params.num_blocks
+        self.block_length = geometry.block_length
+        self.origin = geometry.origin
+        self.length = geometry.length
+        self.num_blocks = (self.length - self.origin) // self.block_length
         self.tail = self.prompt_len - self.origin  # prompt tokens inside the first decoded block
-        self.cached = 0  # block-diffusion rows: the exact cache holds positions [0, cached)
-        # block-edit (LLaDA2.1): its block's tokens may change until the block ends, and a block ends
-        # after post-fill forwards (`post_steps` of them so far, counted as the official decoder does)
-        self.edits = params.policy in EDIT_POLICIES
-        self.post_steps = 0
+        self.cached = 0  # a cached mode's exact cache holds positions [0, cached)
         self.steps_per_block = params.steps_per_block
-        self.policy = params.policy
+        self.policy = POLICIES[params.policy]
+        self.post_steps = 0  # block-edit's post-fill forwards in the current block (its block-end rule)
         self.mask_id = mask_id
         self.end_ids = frozenset() if params.ignore_eos else end_ids  # ignore_eos: no token ends the response
-        self.dream_fractions = (dream_transfer_fractions(self.steps_per_block, params.eps)
-                                if params.policy.startswith("dream-") else None)
         self.queued_at = queued_at
         self.slot = -1
         self.block = 0
         self.step = 0
-        self.masked_now = self.block_length - self.tail  # masks left in the current block
-        self.masked_at_block_start = self.masked_now
+        self.undecided = self.block_length - self.tail  # positions of the current block not decided yet
+        self.undecided_at_block_start = self.undecided
+        self.schedule = None if self.policy.schedule is None else self.policy.schedule(self)
         # host mirror of the canvas from `origin` (the prompt's tail, then the generation)
         self.generated = list(self.prompt_ids[self.origin:]) + [mask_id] * (self.length - self.prompt_len)
         # each position's logprobs, written at the step that commits it (when asked for)
@@ -122,36 +115,9 @@ class Request:
                 self.generator.manual_seed(p.seed)
 
     @property
-    def at_step_limit(self) -> bool:
-        """A block-edit row's step is its block's last allowed one (`max_steps_per_block`)."""
-        return self.edits and self.step + 1 >= self.params.max_steps_per_block
-
-    @property
     def block_start(self) -> int:
         """Canvas index of the current block's first token."""
         return self.origin + self.block * self.block_length
-
-    def forward_kind(self) -> str:
-        p = self.params
-        if self.block_causal:
-            if p.cache == "none":
-                return FORWARD_WINDOW
-            return FORWARD_STORE if p.store_pass and self.cached < self.block_start else FORWARD_BLOCK
-        if p.cache == "none" or self.step == 0 or (p.refresh_interval and self.step % p.refresh_interval == 0):
-            return FORWARD_FULL
-        return FORWARD_DUAL if p.cache == "dual" else FORWARD_PREFIX
-
-    def rank_quota(self) -> int:
-        """Tokens the rank policies (LLaDA's fixed schedule, Dream's) commit this step; block-edit's
-        num_to_transfer (the fewest it commits while masks are left)."""
-        if self.edits:
-            return self.params.num_to_transfer
-        if self.policy in BLOCK_SCHEDULE_POLICIES:  # the official block decoders: from the block length
-            return fixed_quota(self.block_length, self.steps_per_block, self.step)
-        if self.dream_fractions is None:
-            return fixed_quota(self.masked_at_block_start, self.steps_per_block, self.step)
-        return dream_quota(self.masked_now, self.dream_fractions[min(self.step, self.steps_per_block - 1)],
-                           last_step=self.step >= self.steps_per_block - 1)
 
     def take_new_final(self, stable: int) -> tuple[tuple[int, ...], tuple[TokenLogprob, ...]]:
         """The generated tokens in [emitted, stable) not yet reported, stopping after an end token,

@@ -2,8 +2,8 @@
 
 `schedule()` admits waiting requests into free slots (step-level continuous batching: a request
 joins at the next step, a finished or aborted one leaves at once) and returns the newly admitted.
-`postprocess()` reads the step's one host summary (`engine.summary`), advances each row
-(`engine.advance`: telemetry, block moves, finishing) and reports the tokens that became final.
+`postprocess()` reads the step's one host summary (`engine.summary`), has `engine.advance` advance
+each row and report the tokens that became final, and lets finished rows go.
 
 Thread safety: `add` and `abort` may be called from any thread (the server's event loop); they
 take a lock and never touch a running row. Aborts of running rows take effect at the next
@@ -20,8 +20,9 @@ from collections.abc import Sequence
 import torch
 
 from engine.advance import advance
-from engine.decoding.types import TokenLogprob
-from engine.request import FORWARD_STORE, Request, StepOutput
+from engine.batch import Batch
+from engine.mode import DecodingMode
+from engine.request import Request, StepOutput
 from engine.summary import RowSummary
 
 
@@ -97,28 +98,11 @@ class Scheduler:
         heapq.heappush(self._free_slots, request.slot)
         self._known.discard(request.request_id)
 
-    def postprocess(self, rows: Sequence[Request], summary: Sequence[RowSummary],
-                    fed: Sequence[int]) -> list[StepOutput]:
-        """Advance every row by the step's host summary; finished rows leave the batch."""
-        outputs: list[StepOutput] = []
-        finished: list[Request] = []
-        for request, info, fed_tokens in zip(rows, summary, fed, strict=True):
-            storing = request.forward_kind() == FORWARD_STORE
-            # generated tokens that can no longer change: no mask before them (a store pass commits nothing)
-            stable = request.block_start - request.origin + (0 if storing else min(info.first_masked,
-                                                                                   request.block_length))
-            if request.logprobs is not None and not storing:
-                self._record_logprobs(request, info)
-            result = advance(request, info, storing)
-            if request.edits:  # block-edit may still change its block: finished blocks only
-                stable = request.block_start - request.origin
-            if result is not None:
-                stable = request.tail + len(result.generated_ids)
-            new_ids, new_logprobs = request.take_new_final(min(stable, request.tail + request.gen_length))
-            outputs.append(StepOutput(request.request_id, new_ids, info.committed, fed_tokens, result,
-                                      new_logprobs))
-            if result is not None:
-                finished.append(request)
+    def postprocess(self, batch: Batch, summary: Sequence[RowSummary], mode: DecodingMode) -> list[StepOutput]:
+        """Advance every row by the step's host summary (`engine.advance`); finished rows leave the batch."""
+        outputs = [advance(request, info, plan, mode)
+                   for request, info, plan in zip(batch.requests, summary, batch.plans, strict=True)]
+        finished = [r for r, out in zip(batch.requests, outputs, strict=True) if out.finished]
         if finished:
             with self._lock:
                 done = {r.request_id for r in finished}
@@ -126,15 +110,3 @@ class Scheduler:
                 for request in finished:
                     self._release(request)
         return outputs
-
-    @staticmethod
-    def _record_logprobs(request: Request, info: RowSummary) -> None:
-        """The logprobs of the positions this step wrote a token to (masked before it, or block-edit's
-        edits): a position's logprobs are those of the step that wrote its final token."""
-        offset = request.block_start - request.origin
-        k = request.params.logprobs or 0
-        for position in range(request.block_length):
-            token = info.tokens[position]
-            if request.generated[offset + position] != token and token != request.mask_id:
-                chosen, top = info.logprob(position)
-                request.logprobs[offset + position] = TokenLogprob(token, chosen, top[:k])  # type: ignore[index]

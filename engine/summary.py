@@ -13,13 +13,14 @@ from typing import Optional
 
 import torch
 
-# Counts before the block's tokens. band_high / band_low count a block's first step's candidates by
+# Counts before the block's tokens. undecided: the block's positions still undecided (its mode's
+# progress measure: masks left). band_high / band_low count a block's first step's candidates by
 # first-step confidence (0 in a step where no row is at its block's first step). end_pos: the block's
-# first end token; first_masked: its first still-masked position; each the block width when there is
-# none. An end token ends the row only with no mask before it (end_pos < first_masked). edited: block-edit's
-# token edits; end_committed: end tokens among the step's commits (eos_early_stop).
-COUNTS = ("committed", "still_masked", "forced", "band_high", "band_low", "grinding_exit", "end_pos",
-          "first_masked", "edited", "end_committed")
+# first end token; first_undecided: its first undecided position; each the block width when there is
+# none. An end token ends the row only with nothing undecided before it (end_pos < first_undecided).
+# edited: token edits (block-edit); end_committed: end tokens among the step's commits (eos_early_stop).
+COUNTS = ("committed", "undecided", "forced", "band_high", "band_low", "grinding_exit", "end_pos",
+          "first_undecided", "edited", "end_committed")
 
 
 def encode(counts: Sequence[torch.Tensor], new_tokens: torch.Tensor,
@@ -38,13 +39,13 @@ class RowSummary:
     """One row of a step's summary on the host."""
 
     committed: int
-    still_masked: int
+    undecided: int
     forced: int
     band_high: int
     band_low: int
     grinding_exit: int
     end_pos: int
-    first_masked: int
+    first_undecided: int
     edited: int
     end_committed: int
     tokens: list[int]  # the block after the step (W wide)

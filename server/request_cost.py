@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Optional, Union
 
 from engine.decoding import DecodeParams
+from engine.decoding.registry import POLICIES
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -24,9 +25,10 @@ def check_decode_steps(params: DecodeParams, body: Union[CompletionRequest, Chat
     `max_tokens: 0` decodes nothing)."""
     if cap is None or max_tokens == 0 or params.max_steps <= cap:
         return
-    if params.policy == "block-edit":
+    bound = POLICIES[params.policy].step_bound  # what bounds the policy's steps (DecodeParams.max_steps)
+    if bound == "blocks":
         param = "decoding.max_steps_per_block"
-    elif params.policy != "threshold" and "steps" in (body.decoding or {}):
+    elif bound == "steps" and "steps" in (body.decoding or {}):
         param = "decoding.steps"
     elif getattr(body, "max_completion_tokens", None) is not None:
         param = "max_completion_tokens"

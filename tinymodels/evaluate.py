@@ -26,6 +26,7 @@ import torch
 from engine.chat import chat_prompt_ids
 from engine.decoding import DecodeParams, GenerationResult
 from engine.engine import Engine
+from engine.models.registry import FAMILIES
 from engine.user_text import encode_prompt_text
 from tinymodels.checker import graded_part, is_correct
 from tinymodels.prompt_forms import PROMPT_FORMS
@@ -43,15 +44,11 @@ def dual_cache_refresh(architecture: str) -> int:
     return 16 if architecture == "llada" else 8
 
 
-# Block-diffusion families (docs/decoding.md, "Block-diffusion models"): no dual cache, their own policies.
-BLOCK_ARCHITECTURES = ("sdar", "llada2")
-
-
 def default_configs(architecture: str, gen_length: int = 128, block_length: int = 32) -> list[EvalConfig]:
     """The paper's comparison and ablation rows, on the built-in canvas. A block-diffusion model
     gets its family's decoders and CAI in block mode (pass the block it was trained with)."""
     base = {"gen_length": gen_length, "block_length": block_length, "steps": gen_length}
-    if architecture in BLOCK_ARCHITECTURES:
+    if FAMILIES[architecture].mode == "block":  # no dual cache, their own policies (docs/decoding.md)
         return block_configs(base)
     refresh = dual_cache_refresh(architecture)
     cai = {**base, "policy": "cai", "cache": "dual", "refresh_interval": refresh}

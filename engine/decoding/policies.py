@@ -2,9 +2,9 @@
 
 Every function takes the current block of each row in the batch as [B, W] tensors (W = the widest
 block; positions past a row's block are never candidates) and per-row values as [B] tensors, and
-says which positions to commit this step. Rows in one batch may use different policies:
-`engine.decoding.decide.decide_step` runs each policy present once over the whole batch and keeps
-each row's own decision.
+says which positions to commit this step. Rows in one batch may use different policies: the
+registry (`engine.decoding.registry.decide`) runs each policy present once over the whole batch and
+keeps each row's own decision.
 
 Families:
 - rank (`fixed`, `dream-*`): commit the `quota` best candidates; the quota comes from LLaDA's
@@ -28,13 +28,6 @@ import numpy as np
 import torch
 
 NEG_INF = float("-inf")
-
-FAMILY_RANK = 0
-FAMILY_THRESHOLD = 1
-FAMILY_CAI = 2
-FAMILY_BLOCK_DYNAMIC = 3
-FAMILY_SEQUENTIAL = 4
-FAMILY_EDIT = 5
 
 # Paper constants, defined for a 64-token block and 64 steps per block (Boxes 4-6). They scale with
 # the block length (position boundaries) and with the steps per block (budgets): DECISION.

@@ -17,7 +17,7 @@ parameters and passed in, so none of these functions reads a device value back.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Optional
 
 import torch
@@ -80,9 +80,10 @@ def _best_but(scores: torch.Tensor, excluded: int) -> torch.Tensor:
 
 
 def predict(logits: torch.Tensor, sampled: Sequence[tuple[int, torch.Generator, float]],
-            mask_id: int, mask_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+            mask_id: int, mask_rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Predicted token per position [B, W]: argmax, or Gumbel-max for the rows in `sampled`
-    (row, its generator, its temperature > 0).
+    (row, its generator, its temperature > 0); and the greedy best token other than the mask [B, W]
+    (`block-edit` fills a block with it at its step limit).
 
     DECISION: the mask token is never predicted, except in `mask_rows` ([B] bool: `block-edit`,
     LLaDA2.1's decoder, which takes the argmax over the whole vocabulary, so that an edit may mask a
@@ -90,21 +91,17 @@ def predict(logits: torch.Tensor, sampled: Sequence[tuple[int, torch.Generator, 
     until no mask is left (threshold) would loop forever on it; the official decoders do not guard
     this. It changes nothing where the mask is not the best token, as in every golden run of the
     official code (tests/parity/test_golden_decoding.py). Confidences still come from the full softmax."""
-    x0 = _best_but(logits, mask_id)
-    if mask_rows is not None:
-        x0 = torch.where(mask_rows[:, None], logits.argmax(dim=-1), x0)
+    unmasked = _best_but(logits, mask_id)
+    x0 = unmasked if mask_rows is None else torch.where(mask_rows[:, None], logits.argmax(dim=-1), unmasked)
+    if sampled and x0 is unmasked:
+        x0 = unmasked.clone()
     for row, generator, tau in sampled:
         noise = torch.rand(logits.shape[1:], generator=generator, dtype=torch.float64, device=logits.device)
         # argmax(exp(l) / (-log u)^tau) of LLaDA's add_gumbel_noise, taken in log space (no overflow)
         gumbel = logits[row].double() - tau * torch.log(-torch.log(noise))
         best = _best_but(gumbel, mask_id)
         x0[row] = best if mask_rows is None else torch.where(mask_rows[row], gumbel.argmax(dim=-1), best)
-    return x0
-
-
-def predict_unmasked(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
-    """The best token other than the mask [B, W] (`block-edit` fills a block with it at its step limit)."""
-    return _best_but(logits, mask_id)
+    return x0, unmasked
 
 
 def box1_token_confidence(probs: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
@@ -112,15 +109,15 @@ def box1_token_confidence(probs: torch.Tensor, x0: torch.Tensor) -> torch.Tensor
     return probs.gather(-1, x0[..., None]).squeeze(-1)
 
 
-def confidence(logits: torch.Tensor, x0: torch.Tensor, kind: torch.Tensor,
-               kinds_present: Collection[int]) -> torch.Tensor:
-    """Confidence [B, W] float32 of each prediction, by each row's confidence kind."""
+def confidence(logits: torch.Tensor, x0: torch.Tensor, rows_by_kind: Mapping[int, torch.Tensor]) -> torch.Tensor:
+    """Confidence [B, W] float32 of each prediction: the probability (Box 1), or for the rows of
+    another kind (`rows_by_kind`: kind -> [B] bool) that kind's."""
     probs = logits.float().softmax(dim=-1)
     conf = box1_token_confidence(probs, x0)
-    if CONF_NEG_ENTROPY in kinds_present:
+    if CONF_NEG_ENTROPY in rows_by_kind:
         neg_entropy = (probs * torch.log(probs + _ENTROPY_EPS)).sum(dim=-1)
-        conf = torch.where((kind == CONF_NEG_ENTROPY)[:, None], neg_entropy, conf)
-    if CONF_MARGIN in kinds_present:
+        conf = torch.where(rows_by_kind[CONF_NEG_ENTROPY][:, None], neg_entropy, conf)
+    if CONF_MARGIN in rows_by_kind:
         top2 = probs.topk(2, dim=-1).values
-        conf = torch.where((kind == CONF_MARGIN)[:, None], top2[..., 0] - top2[..., 1], conf)
+        conf = torch.where(rows_by_kind[CONF_MARGIN][:, None], top2[..., 0] - top2[..., 1], conf)
     return conf

@@ -15,14 +15,17 @@ def fail(message: object) -> int:
 
 
 def add_decode_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per DecodeParams field (the same names as the API's `decoding` object)."""
+    """One flag per DecodeParams field (the same names as the API's `decoding` object), from the knobs'
+    declarations (their defaults are read there: no DecodeParams is built, so no policy is imported)."""
+    from dataclasses import fields
+
     from engine.decoding.params import DecodeParams, field_types
 
-    defaults = DecodeParams()
+    defaults = {f.name: f.default for f in fields(DecodeParams)}
     group = parser.add_argument_group("decoding (see docs/cai.md)")
     for name, (kind, _optional) in field_types().items():
         flag = "--" + name.replace("_", "-")
-        default = getattr(defaults, name)
+        default = defaults[name]
         if kind is bool:
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
                                help=f"default: {default if default is not None else 'from the model'}")

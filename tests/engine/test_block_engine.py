@@ -137,3 +137,32 @@ def test_what_the_mode_does_not_offer_is_refused(sdar_models, llada_model):
         assert err.value.param == next(iter(knob))
     # the checkpoint's trained block is the default block
     assert engine.default_params(DecodeParams(gen_length=16)).block_length == model.block_size
+
+
+@pytest.mark.parametrize("prompt_len,gen_length,block", [(8, 30, 8), (10, 27, 8), (10, 20, 32), (3, 5, 4), (12, 1, 8)])
+def test_the_canvas_lies_on_the_block_grid_from_position_0_for_any_gen_length(sdar_models, prompt_len, gen_length,
+                                                                                 block):
+    """As LLaDA2's and SDAR's official decoders lay it out: the first decoded block starts at the block
+    boundary before the prompt's end, and the canvas ends at the one past prompt + gen_length,
+    whatever gen_length is (a masked-diffusion model refuses a block that does not divide it)."""
+    engine = Engine.from_model(next(iter(sdar_models.values())))
+    params = engine.validate(list(range(1, prompt_len + 1)), DecodeParams(gen_length=gen_length, block_length=block))
+    geometry = engine.mode.geometry(prompt_len, params)
+    assert geometry.origin == prompt_len // block * block
+    assert geometry.length == -(-(prompt_len + gen_length) // block) * block
+    assert params.num_blocks == -(-gen_length // block) and params.steps == params.num_blocks * block
+
+
+def test_a_canvas_of_the_same_blocks_decodes_the_same_tokens_whatever_gen_length_says(sdar_models):
+    """gen_length 30 and 32 after an 8-token prompt with block 8 lay out the same canvas (40 positions):
+    the same forwards and tokens, the response cut at gen_length; with eos_early_stop, an end token
+    past gen_length (in the last block) ends the row at the same step, its response cut there too."""
+    model = sdar_models[8]
+    prompt = PROMPTS[2]
+    engine = Engine.from_model(model)
+    for knobs in ({"ignore_eos": True}, {"eos_early_stop": True}):
+        full, cut = (engine.generate([prompt], DecodeParams(policy="block-dynamic", gen_length=n, block_length=8,
+                                                            steps=32, threshold=0.5, **knobs))[0] for n in (32, 30))
+        assert cut.generated_ids == full.generated_ids[:30]
+        assert cut.stats.nfe == full.stats.nfe
+    assert engine.default_params(DecodeParams(gen_length=30)).block_length == 8  # the trained block, always

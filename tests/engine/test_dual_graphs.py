@@ -61,7 +61,7 @@ def test_static_dual_forward_decodes_what_the_cached_forward_decodes(name):
     ordinary = _decode(Engine.from_model(model, max_batch=6), prompts)
     engine = Engine.from_model(model, max_batch=6)
     static = DualStepGraphs(model, 6, capture=False)
-    engine.runner.dual_graphs = static
+    engine.mode.dual_graphs = static
     assert _decode(engine, prompts) == ordinary
     assert static._forwards, "the static forward ran"
     assert static.captured == 0
@@ -72,7 +72,7 @@ def test_static_dual_forward_leaves_other_slots_caches_alone(llada_model):
     of another slot but in the scratch column, and slot 2's only at its block and that column."""
     engine = Engine.from_model(llada_model, max_batch=4)
     static = DualStepGraphs(llada_model, 4, capture=False)
-    engine.runner.dual_graphs = static
+    engine.mode.dual_graphs = static
     params = DecodeParams(policy="fixed", gen_length=16, block_length=8, steps=16, cache="dual")
     for prompt in ([5, 6, 7], [8, 9], [10, 11, 12, 13]):
         engine.add_request(prompt, params)
@@ -85,7 +85,7 @@ def test_static_dual_forward_leaves_other_slots_caches_alone(llada_model):
         keys[2, :, block] = 0  # so that the dual forward's writes show
     before = [k.clone() for k in engine.slots.store.keys]
     row.step = 1  # a dual step of slot 2 alone
-    inputs = runner.run(Batch.build([row], llada_model.device))
+    inputs = runner.run(Batch.build([row], engine.mode.plan, llada_model.device))
     assert inputs.logits.shape[0] == 1
     scratch = engine.slots.store.width - 1
     assert not engine.slots.store.key_mask[:, scratch].any(), "no row attends the scratch column"
@@ -107,4 +107,4 @@ def test_cuda_graphs_decode_what_the_eager_engine_decodes():
     eager = _decode(Engine.from_model(model, max_batch=4), prompts)
     engine = Engine.from_model(model, max_batch=4, cuda_graphs=True)
     assert _decode(engine, prompts) == eager
-    assert engine.runner.dual_graphs is not None and engine.runner.dual_graphs.captured > 0
+    assert engine.mode.dual_graphs is not None and engine.mode.dual_graphs.captured > 0

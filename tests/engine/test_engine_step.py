@@ -11,14 +11,14 @@ import torch
 from engine import DecodeParams, Engine, load_model
 from engine.batch import Batch
 from engine.chat import chat_prompt_ids
-from engine.decoding.decide import POLICIES
-from engine.decoding.params import EDIT_POLICIES
+from engine.decoding.registry import MASKED, POLICIES
 from engine.host_reads import count_host_reads
 from server.output import ChoiceOutput
 from tinymodels.evaluate import held_out_problems
 
-# block-edit (LLaDA2.1's decoder) is for block-diffusion models only (the block tests below run it)
-ALL_POLICIES = sorted(p for p in POLICIES if p not in EDIT_POLICIES)
+# the policies masked diffusion serves (block-edit, LLaDA2.1's decoder, is for block-diffusion models
+# only: the block tests below run it)
+ALL_POLICIES = sorted(name for name, p in POLICIES.items() if MASKED in p.modes)
 # the output path does not depend on the policy's rule: the masked-diffusion decoders cover it (the
 # block decoders' rules are the rank and threshold rules again; tests/engine/test_block_engine.py runs them)
 STREAMED_POLICIES = [p for p in ALL_POLICIES if not p.startswith("block-")]
@@ -135,41 +135,39 @@ def test_a_slot_range_reads_the_store_as_a_view_and_gaps_gather_the_same_rows(ll
                                                        cache="dual"))
     engine.step()  # the full forwards fill the rows' caches
     for _ in range(3):
-        batch = Batch.build(list(engine.scheduler.running), llada_model.device)
+        batch = Batch.build(list(engine.scheduler.running), engine.mode.plan, llada_model.device)
         assert batch.slot_range == slice(0, 4)
-        assert {r.forward_kind() for r in batch.requests} == {"dual"}
+        assert {plan.kind for plan in batch.plans} == {"dual"}
         viewed = engine.runner.run(batch).logits
         gathered = engine.runner.run(dataclasses.replace(batch, slot_range=None)).logits
         assert torch.equal(viewed, gathered)
         engine.step()
     engine.abort(engine.scheduler.running[1].request_id)
     engine.step()
-    assert Batch.build(list(engine.scheduler.running), llada_model.device).slot_range is None
+    assert Batch.build(list(engine.scheduler.running), engine.mode.plan, llada_model.device).slot_range is None
 
 
 def test_the_decide_step_commits_what_cai_step_decides(llada_model):
     """Through the slot tables and the knob columns, at any block and step, with any stored s_i and
     counter, the engine's decide step commits what `cai_step` decides from the requests' knobs."""
+    from engine.decide import decide_step
     from engine.decoding import policies as P
-    from engine.decoding.decide import cai_knobs, decide_step
     from engine.decoding.sampling import confidence, predict
-    from engine.decoding.state import BOOL_KNOBS, FLOAT_KNOBS, INT_KNOBS, DecodeTables
+    from engine.model_runner import ForwardOutput
 
     params = [DecodeParams(policy="cai", gen_length=64, block_length=16, steps=64),
               DecodeParams(policy="cai", gen_length=128, block_length=16, steps=64, gating=True,
                            block_schedule_mode="stretch"),
               DecodeParams(policy="cai", gen_length=32, block_length=32, steps=32, position_factors=False,
-                           theta_s=0.95),
+                           theta_s=0.95, eta_denominator="block", grinding_exit="fill"),
               DecodeParams(policy="cai", gen_length=64, block_length=8, steps=32, gating=True, warmup=0.5,
                            theta_e=0.3)]
     engine = Engine.from_model(llada_model, max_batch=4)
     for i, p in enumerate(params):
         engine.add_request([1 + i, 2, 3], p)
-    admitted = engine.scheduler.schedule()
-    state = DecodeTables(4, llada_model.device)
-    state.grow(32)
-    for request in admitted:
-        state.write(request)
+    for request in engine.scheduler.schedule():
+        engine.slots.admit(request, engine.scheduler.running, engine.mode.blank)
+    slots = engine.slots
     requests = engine.scheduler.running
     width, mask_id = 32, llada_model.special.mask_id
     lengths = torch.tensor([r.block_length for r in requests])
@@ -179,37 +177,48 @@ def test_the_decide_step_commits_what_cai_step_decides(llada_model):
         for r in requests:
             r.block = int(torch.randint(r.num_blocks, (1,), generator=generator))
             r.step = int(torch.randint(r.steps_per_block, (1,), generator=generator))
-        rows = Batch.build(list(requests), llada_model.device)
+        batch = Batch.build(list(requests), engine.mode.plan, llada_model.device)
         logits = torch.randn(4, width, llada_model.config.vocab_size, generator=generator) * 3
         done = torch.rand(4, width, generator=generator) < 0.3
         block_tokens = torch.where(done, 5, mask_id)
-        state.first_conf[:, :width] = torch.rand(4, width, generator=generator)
-        state.low_yield[:] = torch.randint(0, 3, (4,), generator=generator)
-        stored, counter = state.first_conf[:, :width].clone(), state.low_yield.clone()
-        new_tokens, _ = decide_step(rows, state, logits, block_tokens, in_block, mask_id,
-                                    torch.tensor(llada_model.special.end_ids))
+        slots.first_conf[:, :width] = torch.rand(4, width, generator=generator)
+        slots.low_yield[:] = torch.randint(0, 3, (4,), generator=generator)
+        stored, counter = slots.first_conf[:, :width].clone(), slots.low_yield.clone()
+        out = ForwardOutput(logits, block_tokens, in_block, batch.block_start[:, None] + torch.arange(width))
+        decided = decide_step(batch, slots.rows(batch), out, engine.mode, torch.tensor(llada_model.special.end_ids))
 
-        x0 = predict(logits, [], mask_id)
-        conf = confidence(logits, x0, torch.zeros(4, dtype=torch.long), {0})
+        x0, _ = predict(logits, [], mask_id)
+        conf = confidence(logits, x0, {})
         candidates = (block_tokens == mask_id) & in_block
-        step, block = rows.step, rows.block
-        i = dict(zip(INT_KNOBS, state.knobs_i.unbind(1), strict=True))
-        knobs = cai_knobs(dict(zip(FLOAT_KNOBS, state.knobs_f.unbind(1), strict=True)), i,
-                          dict(zip(BOOL_KNOBS, state.knobs_b.unbind(1), strict=True)))
-        expected = P.cai_step(conf, candidates, step, i["steps_per_block"], block, i["num_blocks"], i["block_length"],
-                              P.CaiState(P.box2_first_step_confidence(conf, stored, step), counter), knobs)
-        assert torch.equal(new_tokens != block_tokens, expected.commit)
-        assert torch.equal(state.low_yield, expected.low_yield)
+        step, block = batch.step, batch.block
+        knobs = P.CaiKnobs(
+            theta_s=torch.tensor([p.theta_s for p in params]), theta_e=torch.tensor([p.theta_e for p in params]),
+            warmup=torch.tensor([p.warmup for p in params]), block_schedule=torch.tensor([True] * 4),
+            block_decay=torch.tensor([p.block_decay for p in params]),
+            stretch=torch.tensor([p.block_schedule_mode == "stretch" for p in params]),
+            position_factors=torch.tensor([p.position_factors for p in params]),
+            budgets=torch.tensor([r.params.gating for r in requests]),
+            grinding=torch.tensor([r.params.gating for r in requests]), eta=torch.tensor([p.eta for p in params]),
+            eta_denominator=torch.tensor([float(p.gen_length if p.eta_denominator == "generation" else
+                                                p.block_length) for p in params]),
+            patience=torch.tensor([p.patience for p in params]), theta_fb=torch.tensor([p.theta_fb for p in params]),
+            grinding_fill=torch.tensor([p.grinding_exit == "fill" for p in params]),
+            min_commit=torch.tensor([p.min_commit for p in params]))
+        expected = P.cai_step(conf, candidates, step, batch.steps_per_block, block, batch.num_blocks,
+                              batch.block_length, P.CaiState(P.box2_first_step_confidence(conf, stored, step), counter),
+                              knobs)
+        assert torch.equal(decided.tokens != block_tokens, expected.commit)
+        assert torch.equal(decided.low_yield, expected.low_yield)
 
 
 def test_the_mask_token_is_never_predicted():
     from engine.decoding.sampling import predict
 
     logits = torch.tensor([[[0.0, 5.0, 1.0, 2.0], [3.0, 0.0, 1.0, 2.0]]])
-    assert predict(logits, [], mask_id=1).tolist() == [[3, 0]]
+    assert predict(logits, [], mask_id=1)[0].tolist() == [[3, 0]]
     generator = torch.Generator().manual_seed(0)
     hot = logits[:, :1].expand(1, 64, 4).contiguous()  # the mask leads at every position
-    assert 1 not in predict(hot, [(0, generator, 5.0)], mask_id=1).flatten().tolist()
+    assert 1 not in predict(hot, [(0, generator, 5.0)], mask_id=1)[0].flatten().tolist()
 
 
 def test_step_outputs_carry_deltas_work_and_the_result(llada_model):

@@ -182,7 +182,7 @@ def test_request_validation(llada_model):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("policy", "nope"), ("gen_length", 0), ("block_length", 7), ("steps", 3), ("theta_s", 1.5),
+    ("policy", "nope"), ("gen_length", 0), ("block_length", 0), ("steps", 3), ("theta_s", 1.5),
     ("temperature", -1.0), ("cache", "disk"), ("warmup", 1.0), ("patience", 0), ("top_p", 0.0),
     ("eta", float("nan")), ("gating", "yes"), ("min_commit", 2),
 ])
@@ -203,12 +203,19 @@ def test_unknown_parameter_is_named():
     assert err.value.param == "thresh"
 
 
-def test_gating_default_comes_from_the_model(llada_model, dream_model):
-    from engine.decoding.params import resolve_defaults
+def test_masked_diffusion_decodes_whole_blocks_of_the_canvas(llada_model):
+    """LLaDA's decoders cut the canvas into whole blocks: a block that does not divide gen_length is
+    refused by the masked mode, naming it (block diffusion takes it: tests/engine/test_block_engine.py)."""
+    DecodeParams(gen_length=32, block_length=7)  # a valid knob on its own
+    with pytest.raises(RequestError) as err:
+        Engine.from_model(llada_model).add_request([1, 2, 3], DecodeParams(gen_length=32, block_length=7))
+    assert err.value.param == "block_length" and err.value.code == "invalid_decoding"
 
-    assert resolve_defaults(DecodeParams(), llada_model.config.architecture).gating is True
-    assert resolve_defaults(DecodeParams(), dream_model.config.architecture).gating is False
-    assert resolve_defaults(DecodeParams(gating=True), dream_model.config.architecture).gating is True
+
+def test_gating_default_comes_from_the_model(llada_model, dream_model):
+    assert Engine.from_model(llada_model).default_params().gating is True
+    assert Engine.from_model(dream_model).default_params().gating is False
+    assert Engine.from_model(dream_model).default_params(DecodeParams(gating=True)).gating is True
 
 
 def test_engine_facade(fixtures):

@@ -23,7 +23,7 @@ from fixture_checkpoints import block_fixture
 from safetensors.torch import load_file
 
 from engine import DecodeParams, Engine, EngineConfig, load_model
-from engine.decoding.params import EDIT_POLICIES, POLICIES
+from engine.decoding.registry import BLOCK, MASKED, POLICIES
 from engine.errors import TensorParallelError
 from engine.host_reads import count_host_reads
 from engine.models.moe import GroupedExperts
@@ -195,10 +195,10 @@ def _workload(family: Family) -> list[tuple[list[int], DecodeParams]]:
     seeded sampling, logprobs and (LLaDA) guidance on some."""
     block = family.name in ("sdar", "llada2")
     if block:
-        policies = [p for p in POLICIES if not p.startswith("dream-")]
+        policies = [name for name, p in POLICIES.items() if BLOCK in p.modes]
         caches = ["exact", "none"]
     else:
-        policies = [p for p in POLICIES if p not in EDIT_POLICIES]
+        policies = [name for name, p in POLICIES.items() if MASKED in p.modes]
         caches = ["none", "prefix", "dual"]
     work = []
     for i, policy in enumerate(policies):

@@ -53,6 +53,12 @@ def _skip_reason(run: dict) -> Optional[str]:
     if version == "v20p":
         return ("the unpatched LLaDA2.0 file samples at temperature 0 (torch.multinomial at temperature 1); "
                 "the engine's temperature 0 is greedy, as the patched runs are")
+    settings, prompts = run["settings"], _rows(run["prompt_ids"])
+    if settings.get("eos_early_stop") and not _llada21(run) and any(
+            settings["eos_id"] in p and r == p[:len(r)] for r, p in zip(run["returned_ids"], prompts, strict=True)):
+        return ("LLaDA2.0's in-loop eos_early_stop looks for the first eos over the whole window: an eos id "
+                "inside the prompt returns a cut prompt; the engine reads generated positions only "
+                "(docs/decoding.md)")
     return None
 
 
@@ -67,7 +73,8 @@ def _params(run: dict, cache: Optional[str] = None) -> DecodeParams:
     settings = run["settings"]
     common: dict[str, Any] = {"gen_length": settings["gen_length"], "block_length": settings["block_length"],
                               "ignore_eos": not _stop_ids(run), "temperature": 0.0}
-    blocks = settings["gen_length"] // settings["block_length"]
+    # the engine's `steps` counts over the canvas's blocks; the official decoders' is per block
+    blocks = -(-settings["gen_length"] // settings["block_length"])
     if "call_kwargs" in settings:  # SDAR's decoders A and B
         kwargs = _sdar_kwargs(run)
         if "remasking_strategy" in kwargs:
@@ -121,25 +128,34 @@ def _checkpoint(path: Path, run: dict) -> Path:
 
 def _expected(run: dict, row: int) -> list[int]:
     """The row's response as the engine returns it: up to and including its first stop id, at most
-    gen_length tokens (the official decoders return the whole rounded canvas). LLaDA2.0's in-loop
-    eos_early_stop returns the prompt too (`x[:, :eos_pos + 1]`): the engine returns what follows it."""
+    gen_length tokens (the official decoders decode the whole rounded canvas). LLaDA2's decoders
+    return either the generated tokens or (LLaDA2.0's in-loop eos_early_stop) `x[:, :eos_pos + 1]`,
+    the prompt included: the response is read from the run's final window instead, which holds both."""
+    gen_length = run["settings"]["gen_length"]
+    prompt = _rows(run["prompt_ids"])[row]
     if "generated_ids" in run:
-        generated = _rows(run["generated_ids"])[row][:run["settings"]["gen_length"]]
-    elif run["settings"].get("eos_early_stop") and not _llada21(run):
-        prompt = _rows(run["prompt_ids"])[row]
-        assert run["returned_ids"][row][:len(prompt)] == prompt
-        generated = run["returned_ids"][row][len(prompt):]
+        generated = _rows(run["generated_ids"])[row]
+    elif "trace_model_inputs_then_final" in run:
+        final = _rows(run["trace_model_inputs_then_final"][-1])[row]
+        generated = final[len(prompt):]
     else:
         generated = run["returned_ids"][row]
+    generated = generated[:gen_length]
     stops = set(_stop_ids(run))
     end = next((i for i, t in enumerate(generated) if t in stops), None)
-    return generated if end is None else generated[:end + 1]
+    expected = generated if end is None else generated[:end + 1]
+    if "returned_ids" in run:  # what the official call returned: the response, after the prompt or not
+        returned = run["returned_ids"][row]
+        assert returned[-len(expected):] == expected or returned[len(prompt):][:gen_length] == expected
+    return expected
 
 
 def _row_nfe(run: dict, row: int) -> int:
     """NFE of one row. Batch 1: the run's. A batch run of decoder B feeds every row until all rows'
     blocks are full: a row's own forwards are the prefill, the store passes and the denoising
     forwards that committed one of its tokens (each commits at least one while masks remain)."""
+    if isinstance(run["nfe"], list):
+        return run["nfe"][row]
     if len(_rows(run["prompt_ids"])) == 1:
         return run["nfe"]
     kinds, commits = run["forward_kinds"], run["tokens_committed_per_forward"]

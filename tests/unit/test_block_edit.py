@@ -9,8 +9,8 @@ import torch
 
 from engine.advance import advance
 from engine.decoding import policies as P
-from engine.decoding.decide import PolicyInputs, decide_block_edit
-from engine.decoding.params import DecodeParamError, DecodeParams, resolve_defaults
+from engine.decoding.params import DecodeParamError, DecodeParams
+from engine.decoding.registry import PolicyInputs, decide_block_edit, edit_block_ends
 from engine.decoding.sampling import predict
 from engine.request import Request
 from engine.summary import COUNTS, RowSummary
@@ -32,15 +32,18 @@ def test_an_edit_needs_an_editable_position_a_different_prediction_and_a_confide
         [False, True, True, True, False, False]]
 
 
-def _inputs(conf, tokens, x0, quota, threshold, editing_threshold, generated=None) -> PolicyInputs:
+def _inputs(conf, tokens, x0, quota, threshold, editing_threshold, generated=None, step=None,
+            max_steps_per_block=1000) -> PolicyInputs:
     candidates = tokens == MASK
     generated = torch.ones_like(candidates) if generated is None else generated
     rows = conf.shape[0]
     zeros = torch.zeros(rows, dtype=torch.long)
-    return PolicyInputs(conf=conf, candidates=candidates, x0=x0, tokens=tokens, editable=~candidates & generated,
-                        step=zeros, block=zeros, quota=torch.tensor(quota),
-                        f={"threshold": torch.tensor(threshold), "editing_threshold": torch.tensor(editing_threshold)},
-                        i={}, b={}, first_conf=torch.zeros_like(conf), low_yield=zeros)
+    knobs = {"threshold": torch.tensor(threshold), "editing_threshold": torch.tensor(editing_threshold),
+             "max_steps_per_block": torch.full((rows,), max_steps_per_block)}
+    return PolicyInputs(conf=conf, candidates=candidates, x0=x0, unmasked=torch.where(x0 == MASK, 0, x0),
+                        tokens=tokens, editable=~candidates & generated, step=zeros if step is None else step,
+                        block=zeros, quota=torch.tensor(quota), block_length=zeros, steps_per_block=zeros,
+                        num_blocks=zeros, knobs=knobs, words={}, first_conf=torch.zeros_like(conf), low_yield=zeros)
 
 
 def test_one_forward_commits_masks_and_edits_tokens_together():
@@ -66,59 +69,87 @@ def test_block_edit_rows_may_predict_the_mask_and_other_rows_never_do():
     logits = torch.zeros(2, 3, 12)
     logits[:, :, MASK] = 5.0
     logits[:, :, 2] = 4.0
-    x0 = predict(logits, [], MASK, mask_rows=torch.tensor([True, False]))
+    x0, unmasked = predict(logits, [], MASK, mask_rows=torch.tensor([True, False]))
     assert x0.tolist() == [[MASK] * 3, [2] * 3]
+    assert unmasked.tolist() == [[2] * 3, [2] * 3]  # what a block at its step limit is filled with
     generator = torch.Generator().manual_seed(0)
-    sampled = predict(logits, [(0, generator, 1e-6)], MASK, mask_rows=torch.tensor([True, False]))
+    sampled, _ = predict(logits, [(0, generator, 1e-6)], MASK, mask_rows=torch.tensor([True, False]))
     assert sampled[0].tolist() == [MASK] * 3  # a near-zero temperature samples the argmax
+
+
+def test_the_step_limit_fills_the_block_with_tokens_other_than_the_mask():
+    tokens = torch.tensor([[MASK, MASK, 4], [MASK, MASK, 4]])
+    x0 = torch.tensor([[MASK, 2, MASK], [MASK, 2, MASK]])  # the argmax may be the mask (an edit masks 4 again)
+    conf = torch.tensor([[0.1, 0.1, 0.99], [0.1, 0.1, 0.99]])
+    decision = decide_block_edit(_inputs(conf, tokens, x0, [1, 1], [0.9, 0.9], [0.5, 0.5],
+                                         step=torch.tensor([1, 0]), max_steps_per_block=2))
+    # row 0 is at its last allowed forward: every mask is committed with its best other token, and no
+    # edit writes the mask; row 1 commits its quota and edits position 2 to the mask
+    assert decision.commit.tolist() == [[True, True, False], [True, False, False]]
+    assert decision.tokens[0].tolist() == [0, 2, 0] and decision.edit[0].tolist() == [False, False, True]
+    assert decision.edit[1].tolist() == [False, False, True] and decision.tokens[1].tolist() == [MASK, 2, MASK]
 
 
 def _summary(tokens: list[int], committed: int, edited: int) -> RowSummary:
     still = tokens.count(MASK)
     width = len(tokens)
     first = tokens.index(MASK) if still else width
-    values = {"committed": committed, "still_masked": still, "forced": 0, "band_high": 0, "band_low": 0,
-              "grinding_exit": 0, "end_pos": width, "first_masked": first, "edited": edited, "end_committed": 0}
+    values = {"committed": committed, "undecided": still, "forced": 0, "band_high": 0, "band_low": 0,
+              "grinding_exit": 0, "end_pos": width, "first_undecided": first, "edited": edited, "end_committed": 0}
     return RowSummary(*(values[name] for name in COUNTS), tokens=tokens, _row=[], _k=0)
 
 
-def _request(**knobs) -> Request:
-    params = DecodeParams(policy="block-edit", gen_length=4, block_length=2, steps=4, cache="exact", **knobs)
-    return Request("r", [1, 2], params, MASK, frozenset({99}), 0.0, block_causal=True)
+@pytest.fixture(scope="module")
+def block_mode(fixtures):
+    """The block-diffusion mode of the tiny SDAR fixture: what advances a block-edit row."""
+    from engine import Engine, load_model
+
+    return Engine.from_model(load_model(fixtures / "block" / "sdar" / "sdar_tiny")).mode
 
 
-def test_a_block_ends_after_a_clean_forward_that_edits_nothing():
-    request = _request(max_post_steps=16)
-    assert advance(request, _summary([5, MASK], 1, 0), storing=False) is None
+def _request(mode, **knobs) -> Request:
+    params = DecodeParams(policy="block-edit", gen_length=4, block_length=2, steps=4, cache="exact", gating=True,
+                          **knobs)
+    return Request("r", [1, 2], params, mode.geometry(2, params), MASK, frozenset({99}), 0.0)
+
+
+def _advance(mode, request: Request, summary: RowSummary) -> None:
+    assert advance(request, summary, mode.plan(request), mode).result is None
+
+
+def test_a_block_ends_after_a_clean_forward_that_edits_nothing(block_mode):
+    request = _request(block_mode, max_post_steps=16)
+    _advance(block_mode, request, _summary([5, MASK], 1, 0))
     assert (request.block, request.step) == (0, 1)
-    advance(request, _summary([5, 6], 1, 0), storing=False)  # filled: the next forward is a post step
+    _advance(block_mode, request, _summary([5, 6], 1, 0))  # filled: the next forward is a post step
     assert (request.block, request.post_steps) == (0, 1)
-    advance(request, _summary([5, 7], 0, 1), storing=False)  # an edit: one more post step
+    _advance(block_mode, request, _summary([5, 7], 0, 1))  # an edit: one more post step
     assert (request.block, request.post_steps) == (0, 2)
-    advance(request, _summary([5, 7], 0, 0), storing=False)  # clean, nothing edited: the block ends
+    _advance(block_mode, request, _summary([5, 7], 0, 0))  # clean, nothing edited: the block ends
     assert (request.block, request.step, request.post_steps) == (1, 0, 0)
     assert request.stats.nfe == 4 and request.stats.steps_per_block == [4]
 
 
-def test_post_steps_are_spent_before_the_forward_and_masks_may_come_back():
-    request = _request(max_post_steps=1)
-    advance(request, _summary([5, 6], 2, 0), storing=False)  # filled at once: post step 1 next
+def test_post_steps_are_spent_before_the_forward_and_masks_may_come_back(block_mode):
+    request = _request(block_mode, max_post_steps=1)
+    _advance(block_mode, request, _summary([5, 6], 2, 0))  # filled at once: post step 1 next
     assert (request.block, request.post_steps) == (0, 1)
-    advance(request, _summary([5, MASK], 0, 1), storing=False)  # an edit masks position 1 again
-    assert (request.block, request.post_steps, request.masked_now) == (0, 1, 1)
-    advance(request, _summary([5, 6], 1, 0), storing=False)  # refilled: post step 2 > 1, no forward
+    _advance(block_mode, request, _summary([5, MASK], 0, 1))  # an edit masks position 1 again
+    assert (request.block, request.post_steps, request.undecided) == (0, 1, 1)
+    _advance(block_mode, request, _summary([5, 6], 1, 0))  # refilled: post step 2 > 1, no forward
     assert request.block == 1 and request.stats.nfe == 3
-    zero = _request(max_post_steps=0)
-    advance(zero, _summary([5, 6], 2, 0), storing=False)  # no post step at all
+    zero = _request(block_mode, max_post_steps=0)
+    _advance(block_mode, zero, _summary([5, 6], 2, 0))  # no post step at all
     assert zero.block == 1 and zero.stats.nfe == 1
 
 
-def test_the_step_limit_ends_a_block():
-    request = _request(max_steps_per_block=2)
-    assert not request.at_step_limit
-    advance(request, _summary([MASK, MASK], 0, 0), storing=False)
-    assert request.at_step_limit  # the next step fills the block (decide_step), then the block ends
-    advance(request, _summary([5, 6], 2, 0), storing=False)
+def test_the_step_limit_ends_a_block(block_mode):
+    request = _request(block_mode, max_steps_per_block=2)
+    assert not edit_block_ends(request, _summary([MASK, MASK], 0, 0), 2)
+    _advance(block_mode, request, _summary([MASK, MASK], 0, 0))
+    assert request.block == 0  # the next step is the block's last allowed one: it fills the block
+    assert edit_block_ends(request, _summary([MASK, MASK], 0, 0), 2)
+    _advance(block_mode, request, _summary([5, 6], 2, 0))
     assert request.block == 1
 
 
@@ -135,7 +166,8 @@ def test_the_decoder_knobs_are_checked():
         DecodeParams(eos_early_stop=True, early_exit=False)
     assert err.value.param == "eos_early_stop"
 
-    # the cache defaults to the exact one for block-diffusion models, unless their mask cannot be cached
-    assert resolve_defaults(DecodeParams(), "sdar").cache == "exact"
-    assert resolve_defaults(DecodeParams(block_attention="additive_01"), "llada2").cache == "none"
-    assert resolve_defaults(DecodeParams(), "llada").cache == "none"
+    # the cache defaults to the family's (the exact one for block-diffusion models), unless the mask
+    # cannot be cached
+    assert DecodeParams().with_model_defaults(8, "exact", True).cache == "exact"
+    assert DecodeParams(block_attention="additive_01").with_model_defaults(32, "exact", True).cache == "none"
+    assert DecodeParams().with_model_defaults(None, "none", True).cache == "none"

@@ -1,0 +1,108 @@
+"""Block diffusion (SDAR, LLaDA2): causal across blocks, bidirectional inside a block. Each row
+denoises its current block against its exact cache (`BlockDiffusionTransformer.forward_cached` over
+the slot's row of the KV store), or, without a cache (`cache="none"`), by a full forward of its
+window.
+
+Geometry: blocks count from the prompt's first token, as both official decoders count them. A row's
+first decoded block starts at the block boundary before the prompt's end and holds the prompt's tail
+as fixed tokens; its canvas ends at the block boundary past prompt + gen_length, whatever
+gen_length is (the official decoders round `prompt + gen_length` up on the block grid).
+
+A row's cache holds its positions [0, cache_start), whole blocks only. A denoising forward feeds
+the row's tokens from cache_start to its block's end: the clean tokens not cached yet (the prompt's
+whole blocks at the first step, the finished block at a block's first step) ride along in front
+of the block and their keys/values, exact because block-causal attention never lets them see the
+block, are written as they go. SDAR's store pass (`DecodeParams.store_pass`) feeds only those
+clean tokens, as the official decoder's extra forward does, and commits nothing.
+
+A window forward feeds positions [0, block end) (the prompt, the finished blocks and the block) with
+the row's attention mask, as LLaDA2's official `generate()` does at every step: the baseline of the
+exact cache, and the only way to run LLaDA2.1's additive 0/1 mask, under which finished blocks
+attend to the current block and so cannot be cached.
+
+Rows that share a forward share its kind, block size, fed length (and mask).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.batch import Batch, RowPlan
+from engine.decoding.params import DecodeParams
+from engine.mode import DecodingMode, ForwardFn
+from engine.models.block_transformer import BlockCache
+from engine.request import Geometry, Request
+
+BLOCK, STORE, WINDOW = "block", "store", "window"
+
+
+class BlockDiffusion(DecodingMode):
+    name = "block"
+    caches = ("exact", "none")
+
+    @property
+    def forwards(self) -> dict[str, ForwardFn]:
+        return {BLOCK: self._cached, STORE: self._cached, WINDOW: self._window}
+
+    def geometry(self, prompt_len: int, params: DecodeParams) -> Geometry:
+        width = params.effective_block_length
+        return Geometry(prompt_len // width * width, -(-(prompt_len + params.gen_length) // width) * width, width)
+
+    def check_rules(self, params: DecodeParams) -> None:
+        if params.store_pass and params.cache == "none":
+            self.refuse("store_pass", "store_pass writes a finished block into the exact cache: it needs "
+                                      "cache='exact'")
+
+    def plan(self, request: Request) -> RowPlan:
+        """The uncached clean tokens and the block (the block alone at a store pass; the whole window
+        without a cache)."""
+        p = request.params
+        block_start, width = request.block_start, request.block_length
+        if p.cache == "none":
+            fed = block_start + width
+            return RowPlan(WINDOW, fed, (WINDOW, width, fed, p.block_attention))
+        if p.store_pass and request.cached < block_start:
+            fed = block_start - request.cached
+            return RowPlan(STORE, fed, (STORE, width, fed), commits=False)
+        fed = block_start + width - request.cached
+        return RowPlan(BLOCK, fed, (BLOCK, width, fed))
+
+    def after_step(self, request: Request, plan: RowPlan) -> None:
+        """With the exact cache, any forward wrote every clean token before the block."""
+        if plan.kind != WINDOW:
+            request.cached = request.block_start
+
+    def ends_inside_block(self, request: Request, end_committed: int) -> bool:
+        """LLaDA2.0's in-loop eos_early_stop, at a step that committed an end token; a policy that
+        edits may still change it (LLaDA2.1's check follows its block)."""
+        return request.params.eos_early_stop and not request.policy.edits and end_committed > 0
+
+    # ---------------------------------------------------------------------------------- forwards
+
+    def _logits_at(self, block_length: int, length: int, rows: int, width: int) -> torch.Tensor:
+        """[rows, width]: the fed index of each block position (the block is the last `block_length` fed
+        tokens; past a narrower block, a position never read)."""
+        p = self.slots.positions[:width]
+        return torch.where(p < block_length, length - block_length + p, 0).expand(rows, -1)
+
+    def _window(self, rows: Batch, width: int) -> torch.Tensor:
+        """[0, block end) with the rows' mask; no cache is read or written."""
+        requests, plan = rows.requests, rows.plans[0]
+        block_length = requests[0].block_length
+        at = self._logits_at(block_length, plan.fed, len(requests), width)
+        return self.model(self.slots.canvas[rows.slots, :plan.fed], block_size=block_length,
+                          mask=requests[0].params.block_attention, logits_at=at)
+
+    def _cached(self, rows: Batch, width: int) -> torch.Tensor:
+        """The rows' fed tokens against their exact caches: logits [R, width, V] at their block
+        positions (a store pass returns some row's logits there: no decision reads them)."""
+        requests, plan, canvas = rows.requests, rows.plans[0], self.slots.canvas
+        block_length, length = requests[0].block_length, plan.fed
+        ids = canvas[rows.slots[:, None], rows.cache_start[:, None] + self.slots.positions[:length]]
+        cache = BlockCache(self.slots.store, rows.cache_start, rows=rows.slots,
+                           width=max(r.cached for r in requests) + length)
+        if plan.kind == STORE:
+            at = torch.zeros(len(requests), width, dtype=torch.long, device=canvas.device)
+        else:
+            at = self._logits_at(block_length, length, len(requests), width)
+        return self.model.forward_cached(ids, cache, block_size=block_length, logits_at=at)

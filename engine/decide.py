@@ -1,0 +1,97 @@
+"""The decide step: from a step's logits to what each row commits, and the summary the host reads.
+
+The logits are filtered (top-k / top-p / min-p), every position gets a prediction and a confidence
+(`engine.decoding.sampling`), the policy registry decides every row by its policy
+(`engine.decoding.registry.decide`), and the step ends with one summary tensor (`engine.summary`),
+whose host copy is the step's one device-to-host transfer. Which positions are still undecided is
+the decoding mode's progress measure (`DecodingMode.undecided`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from engine import summary
+from engine.batch import Batch
+from engine.decoding import policies as P
+from engine.decoding.knobs import field_words
+from engine.decoding.params import DecodeParams
+from engine.decoding.registry import POLICIES, PolicyInputs, decide, policy_rows
+from engine.decoding.sampling import CONF_PROB, confidence, filter_min_p, filter_top_k_top_p, predict, token_logprobs
+from engine.mode import DecodingMode
+from engine.model_runner import ForwardOutput
+from engine.slots import RowTables
+
+_WORDS = field_words(DecodeParams)
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    tokens: torch.Tensor  # [B, W] each row's block after the step
+    first_conf: Optional[torch.Tensor]  # the policies' row state to store (None: no policy of the step keeps one)
+    low_yield: Optional[torch.Tensor]
+    summary: torch.Tensor  # engine.summary.encode
+
+
+def decide_step(batch: Batch, rows: RowTables, out: ForwardOutput, mode: DecodingMode,
+                end_ids: torch.Tensor) -> StepDecision:
+    """Predict, decide and commit for every row."""
+    knobs = rows.knobs
+    logits = raw_logits = out.logits
+    if batch.max_top_k > 0 or batch.any_top_p:
+        logits = filter_top_k_top_p(logits, knobs["top_k"], knobs["top_p"], max_top_k=batch.max_top_k,
+                                    any_top_p=batch.any_top_p)
+    if batch.any_min_p:
+        logits = filter_min_p(logits, knobs["min_p"])
+    policy = knobs["policy"]
+    editing = [name for name in batch.policies if POLICIES[name].edits]
+    x0, unmasked = predict(logits, batch.sampled, mode.mask_id,
+                           mask_rows=policy_rows(policy, editing) if editing else None)
+    kinds: dict[int, list[str]] = {}
+    for name in batch.policies:
+        kinds.setdefault(POLICIES[name].conf_kind, []).append(name)
+    conf = confidence(logits, x0, {kind: policy_rows(policy, names) for kind, names in kinds.items()
+                                   if kind != CONF_PROB})
+    block_tokens, in_block = out.block_tokens, out.in_block
+    width = block_tokens.shape[1]
+    position = torch.arange(width, device=conf.device)
+    # generated positions only: a block-diffusion row's first block holds the prompt's tail
+    generated = batch.block_start[:, None] + position >= batch.prompt_len[:, None]
+    # a row's store pass (SDAR) commits nothing: its block is the next one, not yet denoised
+    denoising = in_block & (batch.commits > 0)[:, None]
+    undecided = mode.undecided(block_tokens)
+    candidates = undecided & denoising
+    inputs = PolicyInputs(conf=conf, candidates=candidates, x0=x0, unmasked=unmasked, tokens=block_tokens,
+                          editable=~undecided & denoising & generated, step=batch.step, block=batch.block,
+                          quota=batch.quota, block_length=batch.block_length, steps_per_block=batch.steps_per_block,
+                          num_blocks=batch.num_blocks, knobs=knobs, words=_WORDS, first_conf=rows.first_conf,
+                          low_yield=rows.low_yield, first_only=batch.first_only > 0 if batch.any_first_only else None)
+    decision = decide(inputs, batch.policies)
+    commit, edit, tokens = decision.commit, decision.edit, decision.tokens
+    assert edit is not None and tokens is not None and decision.forced is not None
+    new_tokens = torch.where(commit | edit, tokens, block_tokens)
+    # a committed position holds a prediction, never the mask, but for a policy that edits, whose
+    # commits and edits may write the mask id
+    still = mode.undecided(new_tokens) & denoising
+    # first still-undecided position and first end token (width: none)
+    first_undecided = torch.where(still, position, width).amin(dim=1)
+    is_end = torch.isin(new_tokens, end_ids)
+    end_pos = torch.where(is_end & in_block & generated, position, width).amin(dim=1)
+    # first-step confidence bands, read by the host at a block's first step alone (the host derives
+    # the middle band)
+    no_band = torch.zeros_like(candidates)
+    high = candidates & (conf > P.CONF_HIGH) if batch.at_block_start else no_band
+    low = candidates & (conf < P.CONF_LOW) if batch.at_block_start else no_band
+    committed = commit & ~still
+    counts = [m.sum(dim=1) for m in (committed, still, decision.forced, high, low)]
+    counts += [decision.grinding_exit, end_pos, first_undecided, edit.sum(dim=1), (committed & is_end).sum(dim=1)]
+    logprobs = token_logprobs(raw_logits, tokens, batch.logprob_k) if batch.logprob_k >= 0 else None
+    first_conf, low_yield = decision.first_conf, decision.low_yield
+    if first_conf is not None and low_yield is not None:  # a forward that commits nothing is no step
+        step = (batch.commits > 0)
+        first_conf = torch.where(step[:, None], first_conf, rows.first_conf)
+        low_yield = torch.where(step, low_yield, rows.low_yield)
+    return StepDecision(new_tokens, first_conf, low_yield, summary.encode(counts, new_tokens, logprobs))

@@ -1,0 +1,150 @@
+"""Masked diffusion (LLaDA, Dream): bidirectional attention over the whole canvas, which is the
+prompt followed by `gen_length` masks cut into blocks from the prompt's end.
+
+Each row takes part in exactly one forward per step:
+- full (no cache, a block's first step, or a refresh every f steps): the whole canvas; its keys and
+  values are written into the row's slot of the KV store;
+- dual (Fast-dLLM's DualCache): only the row's block; prefix: the block and everything after it.
+  Dream also feeds the position before the block, whose output predicts the block's first token.
+  These write the fed positions into the rows' slots and attend over their caches: a view of the
+  store when the rows hold consecutive slots, else each layer reads the rows out of it.
+Rows of one kind share a forward. The dual forward may run on static buffers captured as CUDA graphs
+(`engine.dual_graphs`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from engine.batch import Batch, RowPlan
+from engine.decoding.params import DecodeParams
+from engine.dual_graphs import DualStepGraphs
+from engine.mode import DecodingMode, ForwardFn
+from engine.models.kv_cache import CacheWrite
+from engine.models.transformer import DiffusionTransformer
+from engine.request import Geometry, Request
+from engine.slots import Slots
+
+FULL, DUAL, PREFIX = "full", "dual", "prefix"
+
+
+class MaskedDiffusion(DecodingMode):
+    name = "masked"
+    caches = ("none", "prefix", "dual")
+    scores_likelihood = True
+
+    def __init__(self, model: DiffusionTransformer, slots: Slots, dual_graphs: Optional[DualStepGraphs] = None) -> None:
+        super().__init__(model, slots, dual_graphs)
+        self.shift = 1 if model.logits_shifted else 0  # Dream: output i-1 predicts token i
+
+    @property
+    def forwards(self) -> dict[str, ForwardFn]:
+        return {FULL: self._full, DUAL: self._dual, PREFIX: self._prefix}
+
+    def geometry(self, prompt_len: int, params: DecodeParams) -> Geometry:
+        return Geometry(prompt_len, prompt_len + params.gen_length, params.effective_block_length)
+
+    def check_rules(self, params: DecodeParams) -> None:
+        if params.gen_length % params.effective_block_length:
+            self.refuse("block_length", f"block_length must divide gen_length ({params.gen_length}), got "
+                                        f"{params.effective_block_length}")
+
+    def plan(self, request: Request) -> RowPlan:
+        p = request.params
+        if p.cache == "none" or request.step == 0 or (p.refresh_interval and request.step % p.refresh_interval == 0):
+            return RowPlan(FULL, request.length * (2 if p.cfg_scale > 0 else 1), (FULL,))
+        if p.cache == "dual":
+            return RowPlan(DUAL, request.block_length + self.shift, (DUAL,))
+        return RowPlan(PREFIX, request.length - request.block_start + self.shift, (PREFIX,))
+
+    def ends_inside_block(self, request: Request, end_committed: int) -> bool:
+        """Early exit: nothing before the end token can change."""
+        return request.params.stops_at_end
+
+    # ---------------------------------------------------------------------------------- forwards
+
+    def _full(self, rows: Batch, width: int) -> torch.Tensor:
+        """Every row's whole canvas; rows with a KV cache write its keys/values into their slot."""
+        model, slots, requests = self.model, self.slots, rows.requests
+        length = max(r.length for r in requests)
+        # the store's key mask of a slot is its canvas's real positions (Slots.admit)
+        ids, key_mask = slots.canvas[rows.slots, :length], slots.store.key_mask[rows.slots, :length]
+        p = slots.positions[:width]
+        at = rows.block_start[:, None] + p - self.shift
+        if any(r.block_length < width for r in requests):
+            at = torch.where(p < rows.block_length[:, None], at, 0)  # past a narrower block: never read
+        guided = [b for b, r in enumerate(requests) if r.params.cfg_scale > 0]
+        if guided:  # LLaDA classifier-free guidance: the same canvas with the prompt masked
+            index = torch.tensor(guided).to(slots.device, non_blocking=True)
+            in_prompt = slots.positions[None, :length] < rows.prompt_len[index, None]
+            ids = torch.cat([ids, torch.where(in_prompt, self.mask_id, ids[index])])
+            key_mask = torch.cat([key_mask, key_mask[index]])
+            at = torch.cat([at, at[index]])
+        positions = slots.positions[:length].expand(ids.shape[0], -1)
+        cache = None
+        if any(r.params.cache != "none" for r in requests):
+            # a guided row has no cache (cfg needs cache "none"): its unconditional twin may write its slot too
+            store_rows = torch.cat([rows.slots, rows.slots[index]]) if guided else rows.slots
+            cache = CacheWrite(slots.store, positions, rows=store_rows, attend_to_cache=False)
+        logits = model(ids, attention_mask=key_mask, position_ids=positions, cache=cache, logits_at=at)
+        if not guided:
+            return logits
+        n = len(requests)
+        scale = torch.tensor([requests[b].params.cfg_scale for b in guided], dtype=model.dtype)
+        scale = scale.to(slots.device, non_blocking=True)[:, None, None]
+        conditional, unconditional = logits[:n].clone(), logits[n:]
+        conditional[index] = unconditional + (scale + 1) * (conditional[index] - unconditional)
+        return conditional
+
+    def _dual(self, rows: Batch, width: int) -> torch.Tensor:
+        return self._cached(rows, width, through_end=False)
+
+    def _prefix(self, rows: Batch, width: int) -> torch.Tensor:
+        return self._cached(rows, width, through_end=True)
+
+    def _cached(self, rows: Batch, width: int, through_end: bool) -> torch.Tensor:
+        """Feed each row's block (dual) or block and everything after it (prefix); the other
+        positions' keys/values come from the row's slot of the store."""
+        requests, shift, store = rows.requests, self.shift, self.slots.store
+        query_length = max((r.length if through_end else r.block_start + r.block_length) - r.block_start + shift
+                           for r in requests)
+        # query j of a row is its block's position j (past its block: a position never read)
+        p = self.slots.positions[None, :width]
+        queries = torch.where(p < rows.block_length[:, None], p, 0)
+        if self.dual_graphs is not None and not through_end:
+            # the store's last column is past every canvas: the static forward's scratch column
+            ids, positions, write_index = self._cached_inputs(rows, query_length, store.width - 1, through_end)
+            return self.dual_graphs.forward(store, rows.slots, max(r.slot for r in requests), ids, positions,
+                                            write_index, queries)
+        # Attention spans the longest canvas of these rows, plus a scratch column past it that
+        # query-only positions write to and no row attends (the store is wider: not read here).
+        scratch = max(r.length for r in requests)
+        ids, positions, write_index = self._cached_inputs(rows, query_length, scratch, through_end)
+        # rows of consecutive slots are a slice of the store: attend over a view of it; otherwise each
+        # layer reads the rows out of the store (a copy of those rows)
+        if rows.slot_range is not None:
+            cache = CacheWrite(store.rows_view(rows.slot_range), write_index, width=scratch + 1)
+        else:
+            cache = CacheWrite(store, write_index, rows=rows.slots, width=scratch + 1)
+        return self.model(ids, position_ids=positions, cache=cache, logits_at=queries)
+
+    def _cached_inputs(self, rows: Batch, query_length: int, scratch: int,
+                       through_end: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A cached forward's (ids, positions, write_index): query j of a row is canvas position
+        block_start - shift + j while inside its span, else a mask that writes its key/value to
+        column `scratch`, past every canvas of these rows."""
+        shift, slots = self.shift, self.slots
+        first = rows.block_start[:, None] - shift
+        j = slots.positions[None, :query_length]
+        source = first + j
+        end = rows.length[:, None] if through_end else first + shift + rows.block_length[:, None]
+        valid = source < end
+        inside = source.clamp(max=slots.canvas.shape[1] - 1)
+        ids = torch.where(valid, slots.canvas[rows.slots[:, None], inside], self.mask_id)
+        positions = torch.where(valid, source, 0)
+        # The extra position before the block (Dream) is only a query: its cached key/value stay
+        # from the last full forward, as every other position outside the fed span.
+        write_index = torch.where(valid & (j >= shift), source, scratch)
+        return ids, positions, write_index

@@ -1,0 +1,94 @@
+"""A decoding mode: one object per decoding paradigm, chosen once from the model's family
+(`engine/models/registry.py`, `Family.mode`; the table `MODES` in `engine/model_runner.py`).
+
+A mode owns what differs between paradigms, so that nothing else branches on them:
+- the geometry: where a row's canvas and blocks lie (`geometry`);
+- what a request may ask of it (`check`: the knobs, caches and policies it has, its own rules);
+- each row's plan for the step (`plan`: which forward, how many tokens fed, which rows share a
+  forward, whether its decision is committed), made once a step and stored on the `Batch`;
+- its forwards (`forwards`: the runner's one table, by plan kind) and its cache-advance rule
+  (`after_step`);
+- when an end token inside a block ends a row (`ends_inside_block`);
+- the progress measure: which positions are still undecided (`undecided`) and what a canvas starts
+  as (`blank`). Masked and block diffusion both measure masks left; a mode without a mask token (one
+  that re-samples every position until its canvas is stable) overrides these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import fields
+from typing import ClassVar, Optional
+
+import torch
+
+from engine.batch import Batch, RowPlan
+from engine.decoding.knobs import mode_knobs
+from engine.decoding.params import DecodeParams
+from engine.decoding.registry import POLICIES
+from engine.dual_graphs import DualStepGraphs
+from engine.errors import RequestError
+from engine.models.transformer import DiffusionTransformer
+from engine.request import Geometry, Request
+from engine.slots import Slots
+
+ForwardFn = Callable[[Batch, int], torch.Tensor]  # (the rows of one forward, the step's width) -> logits
+_DEFAULTS = {f.name: f.default for f in fields(DecodeParams)}
+
+
+class DecodingMode:
+    name: ClassVar[str]  # the family table's `mode`
+    caches: ClassVar[tuple[str, ...]]  # the `cache` knob's values it serves
+    scores_likelihood: ClassVar[bool] = False  # engine.scoring's estimator applies
+
+    def __init__(self, model: DiffusionTransformer, slots: Slots, dual_graphs: Optional[DualStepGraphs] = None) -> None:
+        self.model = model
+        self.slots = slots
+        # the masked mode's dual-cache forward on static buffers, CUDA graphs when capturing (engine.dual_graphs)
+        self.dual_graphs = dual_graphs
+        self.mask_id = model.special.mask_id
+        self.blank = self.mask_id  # what a canvas's generation positions start as
+
+    @property
+    def forwards(self) -> dict[str, ForwardFn]:
+        raise NotImplementedError
+
+    def geometry(self, prompt_len: int, params: DecodeParams) -> Geometry:
+        raise NotImplementedError
+
+    def plan(self, request: Request) -> RowPlan:
+        raise NotImplementedError
+
+    def after_step(self, request: Request, plan: RowPlan) -> None:
+        """The cache-advance rule: what the row's cache holds after its forward (none by default)."""
+
+    def ends_inside_block(self, request: Request, end_committed: int) -> bool:
+        """Whether an end token with nothing undecided before it ends the row inside its block
+        (`end_committed`: end tokens among the step's commits)."""
+        raise NotImplementedError
+
+    def undecided(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[B, W] bool: the positions still to decide (the progress measure: masks)."""
+        return tokens == self.mask_id
+
+    def check(self, params: DecodeParams) -> None:
+        """RequestError for what this mode does not have: a knob set away from its default, a cache,
+        a policy; then the mode's own rules (`check_rules`)."""
+        for f in mode_knobs(DecodeParams):
+            value = getattr(params, f.name)
+            if self.name not in f.metadata["modes"] and value != _DEFAULTS[f.name]:
+                self.refuse(f.name, f"{f.name}={value!r} applies to {' and '.join(f.metadata['modes'])} diffusion "
+                                    f"models only")
+        if params.cache not in self.caches:
+            self.refuse("cache", f"cache={params.cache!r} is not one of this mode's caches "
+                                 f"({', '.join(map(repr, self.caches))})")
+        if self.name not in POLICIES[params.policy].modes:
+            self.refuse("policy", f"policy={params.policy!r} is not available in {self.name} diffusion")
+        self.check_rules(params)
+
+    def check_rules(self, params: DecodeParams) -> None:
+        """The mode's rules between knobs."""
+
+    def refuse(self, param: str, reason: str) -> None:
+        raise RequestError(f"{reason}; {self.model.display_name} decodes by {self.name} diffusion "
+                           f"(docs/decoding.md)", param=param, code="invalid_decoding")
