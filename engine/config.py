@@ -19,9 +19,10 @@ class EngineConfig:
     max_batch: int = 8  # rows decoded together in one step
     use_flash_attn: Optional[bool] = None  # None: when installed and usable
     max_model_len: Optional[int] = None  # prompt + canvas; None: the model's context
-    # run the dual-cache step as CUDA graphs, one per batch bucket (engine.dual_graphs); CUDA only, off
-    # until a GPU run shows it pays (docs/performance.md)
-    cuda_graphs: bool = False
+    # run the dual-cache step as CUDA graphs, one per batch bucket (engine.dual_graphs); CUDA only.
+    # None: on for CUDA at tensor_parallel_size 1 (vLLM captures graphs unless --enforce-eager; the H200
+    # check measured the same tokens, docs/performance.md), off elsewhere
+    cuda_graphs: Optional[bool] = None
     # the most top alternatives a request may ask for per token (vLLM's --max-logprobs)
     max_logprobs: int = 20
     # the most tokens one likelihood-scoring request may feed the model: (n - 1) x samples x n for a
@@ -71,7 +72,7 @@ class EngineConfig:
         if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
                                          or self.threads < 1):
             raise ValueError(f"threads must be a positive integer, got {self.threads!r}")
-        if self.cuda_graphs and not self.device.startswith("cuda"):
+        if self.cuda_graphs and not self.device.startswith("cuda"):  # asked for, not defaulted
             raise ValueError(f"cuda_graphs needs a CUDA device, got device {self.device!r}")
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}; got {self.quantization!r}")
@@ -91,3 +92,10 @@ class EngineConfig:
             raise ValueError(f"prefix_cache_gb must be a positive number, got {self.prefix_cache_gb!r}")
         if self.dtype.lower() not in DTYPE_ALIASES:
             raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {self.dtype!r}")
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Whether the dual-cache step runs as CUDA graphs: `cuda_graphs` when set, else its default."""
+        if self.cuda_graphs is not None:
+            return self.cuda_graphs
+        return self.device.startswith("cuda") and self.tensor_parallel_size == 1

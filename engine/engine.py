@@ -126,7 +126,7 @@ class Engine:
         """Drop every request, waiting or running (after a failed step)."""
         self.scheduler = Scheduler(self.max_batch, self.model.device)
         self.slots = Slots(self.model, self.max_batch)
-        graphs = DualStepGraphs(self.model, self.max_batch, capture=True) if self.config.cuda_graphs else None
+        graphs = DualStepGraphs(self.model, self.max_batch, capture=True) if self.config.uses_cuda_graphs else None
         # the decoding mode of the model's family (masked or block diffusion): the same for every reset
         self.mode = decoding_mode(self.family.mode, self.model, self.slots, graphs)
         self.runner = ModelRunner(self.mode, self.slots)

@@ -39,7 +39,8 @@ from engine.loading.checkpoint import CheckpointFiles
 from engine.loading.tokenizer import load_tokenizer
 from engine.models.registry import model_class_for
 from engine.parallel.calls import Replica
-from engine.parallel.launch import WorkerGroup, rank_threads
+from engine.parallel.launch import WorkerGroup
+from engine.parallel.rank import rank_threads
 from engine.parallel.sharding import check_divisible
 from engine.parallel.worker import ModelFactory, rank_model, resolve_call
 from engine.request import Request

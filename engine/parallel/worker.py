@@ -51,7 +51,7 @@ def rank_model(config: EngineConfig, rank: int, factory: Optional[ModelFactory] 
     """Rank `rank`'s share of the model: loaded from the checkpoint, or built by `factory`."""
     from engine.loading.weights import load_model
     from engine.parallel.group import TensorParallel
-    from engine.parallel.launch import rank_device
+    from engine.parallel.rank import rank_device
 
     tp = TensorParallel(rank, config.tensor_parallel_size)
     if factory is not None:
@@ -92,7 +92,7 @@ def _serve(config: EngineConfig, rank: int, port: int, conn: Connection, factory
 
     from engine.engine import Engine
     from engine.parallel.calls import Replica
-    from engine.parallel.launch import init_rank, rank_threads
+    from engine.parallel.rank import init_rank, rank_threads
 
     torch.set_num_threads(rank_threads(config))
     init_rank(config, rank, port)

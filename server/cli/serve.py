@@ -33,7 +33,10 @@ def add_parser(sub: Any) -> None:
                 help="most tokens one scoring forward feeds the model; a scoring request runs as such chunks "
                      "between decode steps, so a step waits on one at most")
     add_setting(engine, "cuda_graphs", action=argparse.BooleanOptionalAction,
-                 help="run the dual-cache step as CUDA graphs, one per batch bucket (CUDA only)")
+                 help="run the dual-cache step as CUDA graphs, one per batch bucket (CUDA only; --no-cuda-graphs "
+                      "or --enforce-eager: eager steps)", unset="on for CUDA at --tensor-parallel-size 1")
+    engine.add_argument("--enforce-eager", dest="cuda_graphs", action="store_false", default=None,
+                        help="vLLM's name for --no-cuda-graphs")
     add_setting(engine, "enable_prefix_caching", action=argparse.BooleanOptionalAction,
                 help="reuse the keys and values of prompt blocks computed for earlier requests (block-diffusion "
                      "models; refused for masked-diffusion ones, docs/server.md)",

@@ -36,6 +36,13 @@ def test_capture_needs_cuda(llada_model):
         EngineConfig(model="x", cuda_graphs=True)
 
 
+def test_cuda_graphs_default_on_for_one_cuda_rank_only():
+    assert not EngineConfig(model="x").uses_cuda_graphs
+    assert EngineConfig(model="x", device="cuda").uses_cuda_graphs
+    assert not EngineConfig(model="x", device="cuda", cuda_graphs=False).uses_cuda_graphs
+    assert not EngineConfig(model="x", device="cuda", tensor_parallel_size=2).uses_cuda_graphs
+
+
 def _params(i: int) -> DecodeParams:
     """CAI (rows start blocks at different steps, so dual and full forwards share a step), the fixed
     schedule (long runs of dual steps, with refreshes) and Fast-dLLM's threshold, two block lengths."""

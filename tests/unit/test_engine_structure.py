@@ -16,6 +16,9 @@ STEP = ("request", "summary", "batch", "slots", "mode", "masked_mode", "block_mo
         "advance", "scheduler", "engine")
 # Packages below the step: they import nothing of it.
 LOWER = ("engine.decoding", "engine.models", "engine.loading")
+# The one circle by design, its import deferred to the call: `Engine(config)` with
+# tensor_parallel_size > 1 is the tensor-parallel subclass (vLLM's `LLM(tensor_parallel_size=N)` habit).
+DEFERRED = {("engine.engine", "engine.parallel.engine")}
 
 
 def _module(path: Path) -> str:
@@ -38,7 +41,10 @@ def _imports(path: Path) -> set[str]:
 
 
 def _graph() -> dict[str, set[str]]:
-    return {_module(p): _imports(p) for p in ENGINE.rglob("*.py") if p.name != "__init__.py" or p.parent != ENGINE}
+    graph = {_module(p): _imports(p) for p in ENGINE.rglob("*.py") if p.name != "__init__.py" or p.parent != ENGINE}
+    for module, imported in DEFERRED:
+        graph[module].discard(imported)
+    return graph
 
 
 def test_no_import_circle_in_the_engine():
