@@ -41,7 +41,8 @@ def advance(request: Request, info: RowSummary, plan: RowPlan, mode: DecodingMod
     if result is not None:
         stable = request.tail + len(result.generated_ids)
     new_ids, new_logprobs = request.take_new_final(min(stable, request.tail + request.gen_length))
-    return StepOutput(request.request_id, new_ids, info.committed, plan.fed, result, new_logprobs)
+    return StepOutput(request.request_id, new_ids, info.committed, plan.fed, result, new_logprobs,
+                      request.stats.cached_tokens)
 
 
 def _denoised(request: Request, info: RowSummary, mode: DecodingMode) -> Optional[GenerationResult]:

@@ -39,6 +39,7 @@ BLOCK, STORE, WINDOW = "block", "store", "window"
 class BlockDiffusion(DecodingMode):
     name = "block"
     caches = ("exact", "none")
+    prefix_caching = True
 
     @property
     def forwards(self) -> dict[str, ForwardFn]:

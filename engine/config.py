@@ -47,6 +47,13 @@ class EngineConfig:
     # seconds a rank waits on another (a collective, a worker's answer to rank 0's heartbeat) before
     # the group is declared failed: above the slowest step, so only a hang or a death trips it
     distributed_timeout: float = 120.0
+    # exact prefix caching across requests (vLLM's --enable-prefix-caching; engine.prefix_cache): None
+    # is on where the model's decoding mode allows it (block diffusion) and off elsewhere; True where
+    # it does not (masked diffusion: a prompt's keys depend on what follows it) is refused at start-up
+    enable_prefix_caching: Optional[bool] = None
+    # the prefix cache's memory on the device, in GiB (per rank under tensor parallelism); None: a
+    # tenth of the device's memory. Blocks take memory only once cached
+    prefix_cache_gb: Optional[float] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
@@ -79,6 +86,10 @@ class EngineConfig:
                              "are not captured; docs/operations.md, 'Several GPUs')")
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be positive, got {self.distributed_timeout!r}")
+        if self.prefix_cache_gb is not None and (isinstance(self.prefix_cache_gb, bool)
+                                                 or not isinstance(self.prefix_cache_gb, (int, float))
+                                                 or not self.prefix_cache_gb > 0):
+            raise ValueError(f"prefix_cache_gb must be a positive number, got {self.prefix_cache_gb!r}")
         if self.dtype.lower() not in DTYPE_ALIASES:
             raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {self.dtype!r}")
 

@@ -35,9 +35,10 @@ from engine.dual_graphs import DualStepGraphs
 from engine.errors import CheckpointError, RequestError
 from engine.loading.tokenizer import load_tokenizer
 from engine.loading.weights import load_model
-from engine.model_runner import ModelRunner, decoding_mode
+from engine.model_runner import MODES, ModelRunner, decoding_mode
 from engine.models.registry import Family, family_of
 from engine.models.transformer import DiffusionTransformer
+from engine.prefix_cache import PrefixCache, default_budget_gb
 from engine.request import Geometry, Request, StepOutput
 from engine.scheduler import Scheduler
 from engine.scoring import ScoringJob, scoring_cost
@@ -75,12 +76,15 @@ class Engine:
 
     @classmethod
     def from_model(cls, model: DiffusionTransformer, tokenizer: Optional[Any] = None, max_batch: int = 8,
-                   cuda_graphs: bool = False) -> Engine:
-        """An engine over an already loaded model (tests, training, benchmarks)."""
+                   cuda_graphs: bool = False, enable_prefix_caching: Optional[bool] = False,
+                   prefix_cache_gb: Optional[float] = None) -> Engine:
+        """An engine over an already loaded model (tests, training, benchmarks). Prefix caching is off
+        unless asked for, so that repeated runs of the same prompts measure the same work."""
         engine = cls.__new__(cls)
         config = EngineConfig(model="", device=str(model.device), dtype=str(model.dtype).removeprefix("torch."),
                               max_batch=max_batch, cuda_graphs=cuda_graphs,
-                              quantization=model.quantization, quantize_head=model.quantized_head)
+                              quantization=model.quantization, quantize_head=model.quantized_head,
+                              enable_prefix_caching=enable_prefix_caching, prefix_cache_gb=prefix_cache_gb)
         engine._setup(config, model, tokenizer)
         return engine
 
@@ -97,7 +101,23 @@ class Engine:
         self._end_ids = torch.tensor(model.special.end_ids, device=model.device)
         self._end_set = frozenset(model.special.end_ids)
         self._ids = itertools.count()
+        self.prefix_cache = self._make_prefix_cache(config)
         self.reset()
+
+    def _make_prefix_cache(self, config: EngineConfig) -> Optional[PrefixCache]:
+        """The prefix cache across requests, where asked for and the decoding mode allows it."""
+        if config.enable_prefix_caching is False:
+            return None
+        if not MODES[self.family.mode].prefix_caching:
+            if config.enable_prefix_caching:
+                raise ValueError(f"--enable-prefix-caching: {self.model.display_name} decodes by {self.family.mode} "
+                                 f"diffusion, whose attention is bidirectional over the whole canvas, so a prompt's "
+                                 f"keys and values depend on every token after it and none computed for one request "
+                                 f"is exact for another; serve it without the flag (its per-request caches are the "
+                                 f"decoding knob `cache`)")
+            return None
+        gb = config.prefix_cache_gb if config.prefix_cache_gb is not None else default_budget_gb(self.model.device)
+        return PrefixCache(int(gb * (1 << 30)))
 
     def close(self) -> None:
         """Stop what the engine started (a tensor-parallel group's workers); nothing here."""
@@ -222,6 +242,8 @@ class Engine:
         """One denoising iteration of every running row (after admitting waiting requests)."""
         for request in self.scheduler.schedule():
             self.slots.admit(request, self.scheduler.running, self.mode.blank)
+            if self.prefix_cache is not None:  # its cached prompt blocks, copied into its slot
+                self.prefix_cache.restore(request, self.slots.store)
         if not self.scheduler.running:
             return []
         batch = Batch.build(list(self.scheduler.running), self.mode.plan, self.model.device)
@@ -230,7 +252,10 @@ class Engine:
         self.slots.write_back(batch, out.positions, decided.tokens, decided.first_conf, decided.low_yield)
         # the step's one device-to-host read
         rows = summary.decode(decided.summary.tolist(), batch.width, batch.logprob_k)
-        return self.scheduler.postprocess(batch, rows, self.mode)
+        outputs = self.scheduler.postprocess(batch, rows, self.mode)
+        if self.prefix_cache is not None:  # the blocks this step made final, finished rows' included
+            self.prefix_cache.insert(batch.requests, self.slots.store)
+        return outputs
 
     # ------------------------------------------------------------------ likelihood
 

@@ -40,6 +40,8 @@ class DecodingMode:
     name: ClassVar[str]  # the family table's `mode`
     caches: ClassVar[tuple[str, ...]]  # the `cache` knob's values it serves
     scores_likelihood: ClassVar[bool] = False  # engine.scoring's estimator applies
+    # a prompt's whole blocks have keys/values that nothing after them changes (engine.prefix_cache)
+    prefix_caching: ClassVar[bool] = False
 
     def __init__(self, model: DiffusionTransformer, slots: Slots, dual_graphs: Optional[DualStepGraphs] = None) -> None:
         self.model = model

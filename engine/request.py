@@ -44,7 +44,7 @@ class StepOutput:
     generated token). `new_logprobs` are their logprobs when the request asked for them (else
     empty). `fed_tokens` is the row's
     share of the step's work (tokens it fed to the model). `result` is set once, on the step that
-    finished the row."""
+    finished the row. `cached_tokens`: its prompt tokens restored from the prefix cache."""
 
     request_id: str
     new_token_ids: tuple[int, ...]
@@ -52,6 +52,7 @@ class StepOutput:
     fed_tokens: int
     result: Optional[GenerationResult] = None
     new_logprobs: tuple[TokenLogprob, ...] = ()
+    cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -78,6 +79,7 @@ class Request:
         self.num_blocks = (self.length - self.origin) // self.block_length
         self.tail = self.prompt_len - self.origin  # prompt tokens inside the first decoded block
         self.cached = 0  # a cached mode's exact cache holds positions [0, cached)
+        self.block_hashes: list[bytes] = []  # the prefix cache's chain over the blocks of [0, cached) it has seen
         self.steps_per_block = params.steps_per_block
         self.policy = POLICIES[params.policy]
         self.post_steps = 0  # block-edit's post-fill forwards in the current block (its block-end rule)

@@ -50,6 +50,7 @@ class Event:
     # a streamed delta's decoding summary so far: what its choice reports if the output path ends it
     # here (a stop string, max_tokens), before the engine finishes the row
     summary: Optional[DecodingSummary] = None
+    cached_tokens: int = 0  # the request's prompt tokens restored from the engine's prefix cache
 
 
 @dataclass
@@ -92,6 +93,7 @@ class EngineLoop:
         self.steps = 0
         self._scoring = ScoringQueue(metrics)
         self._finish_times: deque[float] = deque(maxlen=_RATE_WINDOW)  # when the last requests finished
+        self._cache_counted = (0, 0)  # the prefix cache's queries and hits already added to the metrics
         self._thread = threading.Thread(target=self._run, name="cai-dllm-engine", daemon=True)
         # what the server knows of the engine: facts fixed once the model is loaded
         model = engine.model
@@ -126,6 +128,10 @@ class EngineLoop:
         """One tiny decode before the loop starts, so the first request pays no first-call costs."""
         params = self.engine.default_params().with_overrides(gen_length=4, block_length=4, steps=4)
         self.engine.generate([[0]], params)
+        cache = self.engine.prefix_cache
+        if cache is not None:  # the warm-up is no request: it neither counts nor stays cached
+            cache.clear()
+            self._cache_counted = (cache.queries, cache.hits)
 
     async def score(self, prompt_ids: Sequence[int], samples: int, seed: int) -> list[Optional[float]]:
         """Per-token likelihood estimates of a prompt (`Engine.score`'s numbers): the job's masks are
@@ -274,6 +280,18 @@ class EngineLoop:
         m.labels(m.waiting).set(self.engine.num_waiting)
         m.labels(m.running).set(self.engine.num_running)
 
+    def _count_prefix_cache(self) -> None:
+        """The prefix cache's lookups and hits since the last step (tokens, vLLM's counters) and the
+        bytes it holds (engine thread)."""
+        cache, m = self.engine.prefix_cache, self.metrics
+        if cache is None:
+            return
+        queries, hits = self._cache_counted
+        m.labels(m.prefix_cache_queries).inc(cache.queries - queries)
+        m.labels(m.prefix_cache_hits).inc(cache.hits - hits)
+        m.labels(m.prefix_cache_bytes).set(cache.bytes_held)
+        self._cache_counted = (cache.queries, cache.hits)
+
     def _step(self) -> None:
         m = self.metrics
         before = self.meter.read_joules()
@@ -308,6 +326,7 @@ class EngineLoop:
         for loop, events in by_loop.items():
             loop.call_soon_threadsafe(_deliver, events)
         self._update_gauges()
+        self._count_prefix_cache()
 
     def _event(self, sub: Submission, output: StepOutput, now: float,
                running: dict[str, RequestStats]) -> Optional[Event]:
@@ -322,7 +341,7 @@ class EngineLoop:
                 stats = running.get(output.request_id)
                 summary = None if stats is None else DecodingSummary.of(stats, self._joules(sub))
                 return Event("delta", sub.choice, ids=output.new_token_ids, logprobs=output.new_logprobs,
-                             summary=summary)
+                             summary=summary, cached_tokens=output.cached_tokens)
             sub.held.extend(output.new_token_ids)
             sub.held_logprobs.extend(output.new_logprobs)
             return None
@@ -333,7 +352,8 @@ class EngineLoop:
         if sub.held:
             ids, logprobs = (*sub.held, *ids), (*sub.held_logprobs, *logprobs)
             sub.held, sub.held_logprobs = [], []
-        return Event("done", sub.choice, ids=ids, logprobs=logprobs, result=output.result, joules=self._joules(sub))
+        return Event("done", sub.choice, ids=ids, logprobs=logprobs, result=output.result, joules=self._joules(sub),
+                     cached_tokens=output.cached_tokens)
 
     def _joules(self, sub: Submission) -> Optional[float]:
         """The energy measured for this request so far; None without a meter (never an invented 0)."""

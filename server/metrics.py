@@ -57,6 +57,11 @@ class Metrics:
         self.grinding = make(Counter, "grinding_exits", "Grinding-phase detector firings")
         self.client_disconnects = make(Counter, "client_disconnects", "Requests whose client went away before the "
                                        "answer (the row freed)")
+        # vLLM's prefix-cache counters, in prompt tokens: looked up, and of them served from the cache
+        self.prefix_cache_queries = make(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                         "cache")
+        self.prefix_cache_hits = make(Counter, "prefix_cache_hits", "Prompt tokens served from the prefix cache")
+        self.prefix_cache_bytes = make(Gauge, "prefix_cache_bytes", "Device memory the prefix cache's blocks hold")
         self.scoring_requests = make(Gauge, "num_scoring_requests", "Likelihood-scoring requests (echo + logprobs) "
                                      "running or waiting on the engine thread")
         self.scoring_tokens = make(Counter, "scoring_tokens", "Tokens fed to the model by likelihood scoring")

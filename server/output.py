@@ -152,6 +152,7 @@ class ChoiceOutput:
         self.finish_reason: Optional[str] = None
         self.joules: Optional[float] = None
         self.completion_count = 0  # set when the choice finishes (server.serving)
+        self.cached_tokens = 0  # its prompt tokens the engine restored from its prefix cache
         self._searched = 0  # text before this index holds no stop string
 
     @property

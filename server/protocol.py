@@ -144,10 +144,15 @@ class ChatCompletionRequest(_Sampling):
     metadata: Optional[dict[str, str]] = None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (docs/server.md)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
 class DecodingSummary(BaseModel):

@@ -30,7 +30,15 @@ from server.engine_loop import EngineLoop, QueueFull, Submission
 from server.errors import APIError, ClientDisconnected, engine_error
 from server.metrics import Metrics
 from server.output import ChoiceOutput
-from server.protocol import ChatCompletionRequest, CompletionRequest, DecodingSummary, Usage, new_id, now
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DecodingSummary,
+    PromptTokensDetails,
+    Usage,
+    new_id,
+    now,
+)
 from server.request_cost import DECODE_STEPS_EXCEEDED, check_decode_steps
 from server.settings import ServerSettings
 
@@ -254,10 +262,13 @@ class ServingBase:
     @staticmethod
     def usage(choices: list[ChoiceOutput], so_far: bool = False) -> Usage:
         """Tokens of the finished choices, or (`so_far`) those generated until now; each prompt counts
-        once, however many choices it has (`n`), as vLLM and OpenAI count it."""
+        once, however many choices it has (`n`), as vLLM and OpenAI count it, with the tokens of it
+        restored from the prefix cache (OpenAI's `prompt_tokens_details.cached_tokens`)."""
         prompt = sum(len(c.prompt_ids) for c in choices if c.first_of_prompt)
+        cached = sum(c.cached_tokens for c in choices if c.first_of_prompt)
         completion = sum(c.generated_count if so_far else c.completion_count for c in choices)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     @staticmethod
     def summary(choice: ChoiceOutput) -> Optional[DecodingSummary]:
@@ -303,6 +314,7 @@ class ServingBase:
                 choice = by_index[event.choice]
                 if choice.finished:
                     continue
+                choice.cached_tokens = max(choice.cached_tokens, event.cached_tokens)
                 if event.kind == "error":  # the engine failed (our bug: 500), or the server is stopping (503)
                     raise APIError(event.status, event.message, code=event.code or "internal_error")
                 choice.add(event.ids, event.logprobs)

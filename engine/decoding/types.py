@@ -35,6 +35,7 @@ class RequestStats:
     first_step_confidence_bands: list[int] = field(default_factory=lambda: [0, 0, 0])
     queue_time: float = 0.0
     wall_time: float = 0.0
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache (engine.prefix_cache)
 
     @property
     def steps(self) -> int:

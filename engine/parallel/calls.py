@@ -9,8 +9,6 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from engine.engine import Engine
 from engine.scoring import ScoringJob
 
@@ -40,17 +38,21 @@ def advance_scoring(replica: Replica, key: int, prompt_ids: list[int], samples: 
 
 def state_digest(replica: Replica) -> str:
     """A hash of what this rank's steps decided: its scheduler's rows and slots, the canvases (every
-    committed token) and the device tensors of the decode tables (knobs, CAI state). Equal on every
-    rank while they are in step."""
+    committed token), the device tensors of the decode tables (knobs, CAI state) and the prefix
+    cache's blocks. Equal on every rank while they are in step."""
     engine = replica.engine
     digest = hashlib.sha256()
     scheduler = engine.scheduler
     digest.update(repr(([(r.request_id, r.slot) for r in scheduler.running],
                         [r.request_id for r in scheduler.waiting])).encode())
     digest.update(engine.slots.canvas.cpu().numpy().tobytes())
-    for name, value in sorted(vars(engine.slots.tables).items()):
-        if isinstance(value, torch.Tensor):
-            digest.update(name.encode() + value.cpu().numpy().tobytes())
+    slots = engine.slots
+    tables = {**{f"knobs.{kind.__name__}": table for kind, table in slots.knobs.items()},
+              "first_conf": slots.first_conf, "low_yield": slots.low_yield}
+    for name, value in sorted(tables.items()):
+        digest.update(name.encode() + value.cpu().numpy().tobytes())
+    if engine.prefix_cache is not None:  # the blocks cached, in LRU order: each rank's decisions alike
+        digest.update(b"".join(engine.prefix_cache.blocks))
     return digest.hexdigest()
 
 

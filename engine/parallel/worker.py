@@ -96,7 +96,10 @@ def _serve(config: EngineConfig, rank: int, port: int, conn: Connection, factory
 
     torch.set_num_threads(rank_threads(config))
     init_rank(config, rank, port)
-    replica = Replica(Engine.from_model(rank_model(config, rank, factory), max_batch=config.max_batch), rank)
+    model = rank_model(config, rank, factory)
+    engine = Engine.from_model(model, max_batch=config.max_batch, enable_prefix_caching=config.enable_prefix_caching,
+                               prefix_cache_gb=config.prefix_cache_gb)  # every rank caches its own heads alike
+    replica = Replica(engine, rank)
     conn.send(("ready",))
     while True:
         message = conn.recv()

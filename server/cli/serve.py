@@ -37,6 +37,12 @@ def add_parser(sub: Any) -> None:
                       "or --enforce-eager: eager steps)", unset="on for CUDA at --tensor-parallel-size 1")
     engine.add_argument("--enforce-eager", dest="cuda_graphs", action="store_false", default=None,
                         help="vLLM's name for --no-cuda-graphs")
+    add_setting(engine, "enable_prefix_caching", action=argparse.BooleanOptionalAction,
+                help="reuse the keys and values of prompt blocks computed for earlier requests (block-diffusion "
+                     "models; refused for masked-diffusion ones, docs/server.md)",
+                unset="on for block-diffusion models")
+    add_setting(engine, "prefix_cache_gb", type=float, help="device memory the prefix cache may hold, GiB (per rank)",
+                unset="a tenth of the device's memory")
     add_setting(engine, "distributed_timeout", type=float,
                 help="with --tensor-parallel-size: seconds a rank may wait on another (a collective, a heartbeat) "
                      "before the server fails /health and exits")
