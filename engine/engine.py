@@ -104,8 +104,8 @@ class Engine:
 
     def reset(self) -> None:
         """Drop every request, waiting or running (after a failed step)."""
-        self.scheduler = Scheduler(self.max_batch, self.model.device)
         self.slots = Slots(self.model, self.max_batch)
+        self.scheduler = Scheduler(self.max_batch, self.model.device, self.slots.move)
         graphs = DualStepGraphs(self.model, self.max_batch, capture=True) if self.config.cuda_graphs else None
         # the decoding mode of the model's family (masked or block diffusion): the same for every reset
         self.mode = decoding_mode(self.family.mode, self.model, self.slots, graphs)
