@@ -13,7 +13,7 @@ from __future__ import annotations
 import array
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -37,9 +37,8 @@ STEP_FIELDS = ("slot", "step", "block", "block_start", "quota", "first_only", "b
 _ROW_TENSORS = ("slots", *STEP_FIELDS[1:])  # the Batch fields that hold them
 
 
-def _slot_range(requests: list[Request]) -> Optional[slice]:
-    first = requests[0].slot
-    return slice(first, first + len(requests)) if all(r.slot == first + b for b, r in enumerate(requests)) else None
+def _span(requests: list[Request]) -> slice:
+    return slice(requests[0].slot, requests[-1].slot + 1)
 
 
 @dataclass(frozen=True)
@@ -71,13 +70,14 @@ class Batch:
     logprob_k: int  # top alternatives to report (the most any row asks); -1: no row wants logprobs
     at_block_start: bool  # some row is at its block's first step
     any_first_only: bool  # some row commits its block's first token alone this step
-    slot_range: Optional[slice]  # the slots as a range when consecutive: KV store views, not copies
+    max_length: int  # the longest canvas of the step: a KV store column past every row's canvas
+    span: slice  # the slots from the first row's to the last's: the store rows a forward attending to them reads
 
     @classmethod
     def build(cls, requests: list[Request], plan: Callable[[Request], RowPlan], device: torch.device) -> Batch:
         """The step's rows, each planned by `plan` (its decoding mode's)."""
         plans, flat, sampled, policies = [], array.array("q"), [], set()
-        width = max_top_k = 0
+        width = max_top_k = max_length = 0
         logprob_k = -1
         any_top_p = any_min_p = at_block_start = any_first_only = False
         for b, r in enumerate(requests):
@@ -88,6 +88,7 @@ class Batch:
             flat.extend((r.slot, r.step, r.block, r.block_start, r.policy.quota(r), first_only, r.block_length,
                          r.length, r.prompt_len, r.cached, row_plan.commits, r.steps_per_block, r.num_blocks))
             width = max(width, r.block_length)
+            max_length = max(max_length, r.length)
             policies.add(p.policy)
             if r.generator is not None:
                 sampled.append((b, r.generator, p.temperature))
@@ -103,7 +104,7 @@ class Batch:
         return cls(requests=requests, plans=plans, slots=columns.pop("slot"), **columns, width=width,
                    policies=frozenset(policies), sampled=tuple(sampled), max_top_k=max_top_k, any_top_p=any_top_p,
                    any_min_p=any_min_p, logprob_k=logprob_k, at_block_start=at_block_start,
-                   any_first_only=any_first_only, slot_range=_slot_range(requests))
+                   any_first_only=any_first_only, max_length=max_length, span=_span(requests))
 
     def rows(self, index: list[int]) -> Batch:
         """These rows alone, in this order: one forward's rows, their per-row tensors gathered (the
@@ -111,8 +112,27 @@ class Batch:
         at = torch.tensor(index).to(self.slots.device, non_blocking=True)
         requests = [self.requests[b] for b in index]
         gathered = {name: getattr(self, name)[at] for name in _ROW_TENSORS}
-        return replace(self, requests=requests, plans=[self.plans[b] for b in index], slot_range=_slot_range(requests),
-                       **gathered)
+        return replace(self, requests=requests, plans=[self.plans[b] for b in index], span=_span(requests), **gathered)
+
+    @property
+    def fills_span(self) -> bool:
+        """Whether these rows are every slot of their span, in order (the running rows hold slots
+        [0, n) in row order, so a forward of all of them does)."""
+        return len(self.requests) == self.span.stop - self.span.start
+
+    def spread(self, values: torch.Tensor, fill: int) -> torch.Tensor:
+        """[span, ...]: `values` [B, ...] of these rows at their slots' places in the span, `fill` at
+        the slots of the span's other rows (rows that run another forward this step: a forward that
+        attends to the store runs over the span, a view of it, and ignores their outputs)."""
+        if self.fills_span:
+            return values
+        out = values.new_full((self.span.stop - self.span.start, *values.shape[1:]), fill)
+        out[self.slots - self.span.start] = values
+        return out
+
+    def gather(self, outputs: torch.Tensor) -> torch.Tensor:
+        """These rows' part of a forward's outputs [span, ...] over the span."""
+        return outputs if self.fills_span else outputs.index_select(0, self.slots - self.span.start)
 
     def __len__(self) -> int:
         return len(self.requests)

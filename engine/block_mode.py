@@ -20,7 +20,10 @@ the row's attention mask, as LLaDA2's official `generate()` does at every step: 
 exact cache, and the only way to run LLaDA2.1's additive 0/1 mask, under which finished blocks
 attend to the current block and so cannot be cached.
 
-Rows that share a forward share its kind, block size, fed length (and mask).
+Every row that runs against its exact cache (a denoising step or a store pass, whatever its block
+size and fed length) takes part in one forward, padded to the longest fed length: the rows hold
+slots [0, n) in row order (engine/scheduler.py), so the forward attends over a view of the store's
+first rows, never a copy. Window rows share a forward by block size, fed length and mask.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from engine.models.block_transformer import BlockCache
 from engine.request import Geometry, Request
 
 BLOCK, STORE, WINDOW = "block", "store", "window"
+CACHED = "cached"  # the group of every row that runs against its exact cache
 
 
 class BlockDiffusion(DecodingMode):
@@ -64,9 +68,9 @@ class BlockDiffusion(DecodingMode):
             return RowPlan(WINDOW, fed, (WINDOW, width, fed, p.block_attention))
         if p.store_pass and request.cached < block_start:
             fed = block_start - request.cached
-            return RowPlan(STORE, fed, (STORE, width, fed), commits=False)
+            return RowPlan(STORE, fed, (CACHED,), commits=False)
         fed = block_start + width - request.cached
-        return RowPlan(BLOCK, fed, (BLOCK, width, fed))
+        return RowPlan(BLOCK, fed, (CACHED,))
 
     def after_step(self, request: Request, plan: RowPlan) -> None:
         """With the exact cache, any forward wrote every clean token before the block."""
@@ -95,15 +99,24 @@ class BlockDiffusion(DecodingMode):
                           mask=requests[0].params.block_attention, logits_at=at)
 
     def _cached(self, rows: Batch, width: int) -> torch.Tensor:
-        """The rows' fed tokens against their exact caches: logits [R, width, V] at their block
-        positions (a store pass returns some row's logits there: no decision reads them)."""
-        requests, plan, canvas = rows.requests, rows.plans[0], self.slots.canvas
-        block_length, length = requests[0].block_length, plan.fed
-        ids = canvas[rows.slots[:, None], rows.cache_start[:, None] + self.slots.positions[:length]]
-        cache = BlockCache(self.slots.store, rows.cache_start, rows=rows.slots,
-                           width=max(r.cached for r in requests) + length)
-        if plan.kind == STORE:
-            at = torch.zeros(len(requests), width, dtype=torch.long, device=canvas.device)
-        else:
-            at = self._logits_at(block_length, length, len(requests), width)
-        return self.model.forward_cached(ids, cache, block_size=block_length, logits_at=at)
+        """The rows' fed tokens against their exact caches, in one forward padded to the longest
+        fed length: logits [R, width, V] at their block positions (a store pass returns some
+        logits there: no decision reads them)."""
+        requests, canvas, positions = rows.requests, self.slots.canvas, self.slots.positions
+        length = max(plan.fed for plan in rows.plans)
+        # the device's count of each row's fed tokens: the clean tokens before its block, then its
+        # block unless it is a store pass (RowPlan.commits)
+        fed = rows.block_start - rows.cache_start + rows.commits * rows.block_length
+        j = positions[None, :length]
+        source = (rows.cache_start[:, None] + j).clamp(max=canvas.shape[1] - 1)
+        ids = torch.where(j < fed[:, None], canvas[rows.slots[:, None], source], self.mask_id)
+        p = positions[None, :width]
+        block = rows.block_length[:, None]
+        at = torch.where((p < block) & (rows.commits[:, None] > 0), fed[:, None] - block + p, 0)
+        # over the rows' span of slots (a view of the store); a window row inside it feeds nothing
+        cache = BlockCache(self.slots.store.rows_view(rows.span), rows.spread(rows.cache_start, 0),
+                           width=max(r.cached + plan.fed for r, plan in zip(requests, rows.plans, strict=True)),
+                           fed=rows.spread(fed, 0), scratch=rows.max_length)
+        logits = self.model.forward_cached(rows.spread(ids, self.mask_id), cache,
+                                           block_size=rows.spread(rows.block_length, 1), logits_at=rows.spread(at, 0))
+        return rows.gather(logits)

@@ -124,8 +124,8 @@ class Engine:
 
     def reset(self) -> None:
         """Drop every request, waiting or running (after a failed step)."""
-        self.scheduler = Scheduler(self.max_batch, self.model.device)
         self.slots = Slots(self.model, self.max_batch)
+        self.scheduler = Scheduler(self.max_batch, self.model.device, self.slots.move)
         graphs = DualStepGraphs(self.model, self.max_batch, capture=True) if self.config.uses_cuda_graphs else None
         # the decoding mode of the model's family (masked or block diffusion): the same for every reset
         self.mode = decoding_mode(self.family.mode, self.model, self.slots, graphs)
@@ -252,10 +252,11 @@ class Engine:
         self.slots.write_back(batch, out.positions, decided.tokens, decided.first_conf, decided.low_yield)
         # the step's one device-to-host read
         rows = summary.decode(decided.summary.tolist(), batch.width, batch.logprob_k)
-        outputs = self.scheduler.postprocess(batch, rows, self.mode)
-        if self.prefix_cache is not None:  # the blocks this step made final, finished rows' included
-            self.prefix_cache.insert(batch.requests, self.slots.store)
-        return outputs
+        # the blocks this step made final, finished rows' included: read before a finished row's slot
+        # takes a row that moves down (Scheduler._release)
+        insert = None if self.prefix_cache is None else functools.partial(
+            self.prefix_cache.insert, batch.requests, self.slots.store)
+        return self.scheduler.postprocess(batch, rows, self.mode, before_release=insert)
 
     # ------------------------------------------------------------------ likelihood
 

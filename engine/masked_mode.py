@@ -6,8 +6,8 @@ Each row takes part in exactly one forward per step:
   values are written into the row's slot of the KV store;
 - dual (Fast-dLLM's DualCache): only the row's block; prefix: the block and everything after it.
   Dream also feeds the position before the block, whose output predicts the block's first token.
-  These write the fed positions into the rows' slots and attend over their caches: a view of the
-  store when the rows hold consecutive slots, else each layer reads the rows out of it.
+  These write the fed positions into the rows' slots and attend over their caches in place: the
+  forward runs over the rows' span of slots, a view of the store (engine/batch.py, `Batch.spread`).
 Rows of one kind share a forward. The dual forward may run on static buffers captured as CUDA graphs
 (`engine.dual_graphs`).
 """
@@ -118,17 +118,16 @@ class MaskedDiffusion(DecodingMode):
             ids, positions, write_index = self._cached_inputs(rows, query_length, store.width - 1, through_end)
             return self.dual_graphs.forward(store, rows.slots, max(r.slot for r in requests), ids, positions,
                                             write_index, queries)
-        # Attention spans the longest canvas of these rows, plus a scratch column past it that
-        # query-only positions write to and no row attends (the store is wider: not read here).
-        scratch = max(r.length for r in requests)
+        # Attention spans the step's longest canvas; query-only positions write to the column past
+        # it, which no row attends (the store is wider: not read here). The forward runs over the
+        # rows' span of slots, a view of the store; a slot in it that runs another forward this step
+        # is fed masks that write only that scratch column.
+        scratch = rows.max_length
         ids, positions, write_index = self._cached_inputs(rows, query_length, scratch, through_end)
-        # rows of consecutive slots are a slice of the store: attend over a view of it; otherwise each
-        # layer reads the rows out of the store (a copy of those rows)
-        if rows.slot_range is not None:
-            cache = CacheWrite(store.rows_view(rows.slot_range), write_index, width=scratch + 1)
-        else:
-            cache = CacheWrite(store, write_index, rows=rows.slots, width=scratch + 1)
-        return self.model(ids, position_ids=positions, cache=cache, logits_at=queries)
+        cache = CacheWrite(store.rows_view(rows.span), rows.spread(write_index, scratch), width=scratch + 1)
+        logits = self.model(rows.spread(ids, self.mask_id), position_ids=rows.spread(positions, 0), cache=cache,
+                            logits_at=rows.spread(queries, 0))
+        return rows.gather(logits)
 
     def _cached_inputs(self, rows: Batch, query_length: int, scratch: int,
                        through_end: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -62,7 +62,7 @@ class ModelRunner:
         if len(groups) == 1:
             logits = self.forwards[batch.plans[0].kind](batch, width)
         else:  # one forward per group, the logits put back in row order
-            parts = [self.forwards[key[0]](batch.rows(index), width) for key, index in groups.items()]
+            parts = [self.forwards[batch.plans[index[0]].kind](batch.rows(index), width) for index in groups.values()]
             order = [b for index in groups.values() for b in index]
             inverse = torch.tensor(sorted(range(len(order)), key=order.__getitem__)).to(self.device, non_blocking=True)
             logits = torch.cat(parts).index_select(0, inverse)

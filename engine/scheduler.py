@@ -5,6 +5,11 @@ joins at the next step, a finished or aborted one leaves at once) and returns th
 `postprocess()` reads the step's one host summary (`engine.summary`), has `engine.advance` advance
 each row and report the tokens that became final, and lets finished rows go.
 
+Slots stay compact: the running rows hold slots [0, n), row b in slot b, so that a forward over the
+running rows reads the store's first n rows as a view. When rows leave, the rows in the highest
+slots move into the holes (`move_slot(src, dst)`, `Slots.move`: one copy of each moved row's state
+at its release, never one a step).
+
 Thread safety: `add` and `abort` may be called from any thread (the server's event loop); they
 take a lock and never touch a running row. Aborts of running rows take effect at the next
 `schedule()`, on the thread that steps.
@@ -12,10 +17,10 @@ take a lock and never touch a running row. Aborts of running rows take effect at
 
 from __future__ import annotations
 
-import heapq
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Optional
 
 import torch
 
@@ -27,14 +32,14 @@ from engine.summary import RowSummary
 
 
 class Scheduler:
-    def __init__(self, max_batch: int, device: torch.device) -> None:
+    def __init__(self, max_batch: int, device: torch.device, move_slot: Callable[[int, int], None]) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.max_batch = max_batch
         self.device = device
+        self.move_slot = move_slot
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self._free_slots = list(range(max_batch))  # a heap: rows take the lowest free slot
+        self.running: list[Request] = []  # row b holds slot b
         self._aborts: set[str] = set()
         self._known: set[str] = set()  # ids of requests waiting or running
         self._lock = threading.Lock()
@@ -81,32 +86,39 @@ class Scheduler:
             aborts, self._aborts = self._aborts, set()
             aborted = [r for r in self.running if r.request_id in aborts]
             if aborted:
-                self.running = [r for r in self.running if r.request_id not in aborts]
-                for request in aborted:
-                    self._release(request)
+                self._release(aborted)
             admitted = []
-            while self.waiting and self._free_slots:
+            while self.waiting and len(self.running) < self.max_batch:
                 request = self.waiting.popleft()
-                request.start(heapq.heappop(self._free_slots), self.device)
+                request.start(len(self.running), self.device)
                 self.running.append(request)
                 admitted.append(request)
-            if admitted:  # in slot order, so a cached forward over the slots needs no reordering
-                self.running.sort(key=lambda r: r.slot)
         return admitted
 
-    def _release(self, request: Request) -> None:
-        heapq.heappush(self._free_slots, request.slot)
-        self._known.discard(request.request_id)
+    def _release(self, leaving: list[Request]) -> None:
+        """Drop these running rows and keep the slots compact: each row in a slot past the rows that
+        stay moves into a hole a leaving row made, the rows again in slot order."""
+        gone = {r.request_id for r in leaving}
+        self._known -= gone
+        staying = [r for r in self.running if r.request_id not in gone]
+        holes = sorted(r.slot for r in leaving if r.slot < len(staying))
+        movers = [r for r in staying if r.slot >= len(staying)]  # in slot order
+        for request, hole in zip(movers, holes, strict=True):
+            self.move_slot(request.slot, hole)
+            request.slot = hole
+        self.running = sorted(staying, key=lambda r: r.slot)
 
-    def postprocess(self, batch: Batch, summary: Sequence[RowSummary], mode: DecodingMode) -> list[StepOutput]:
-        """Advance every row by the step's host summary (`engine.advance`); finished rows leave the batch."""
+    def postprocess(self, batch: Batch, summary: Sequence[RowSummary], mode: DecodingMode,
+                    before_release: Optional[Callable[[], None]] = None) -> list[StepOutput]:
+        """Advance every row by the step's host summary (`engine.advance`); finished rows leave the batch.
+        `before_release` runs after the advance and before a finished row's slot takes another row
+        (what reads a finished row's cache: the prefix cache's insert)."""
         outputs = [advance(request, info, plan, mode)
                    for request, info, plan in zip(batch.requests, summary, batch.plans, strict=True)]
+        if before_release is not None:
+            before_release()
         finished = [r for r, out in zip(batch.requests, outputs, strict=True) if out.finished]
         if finished:
             with self._lock:
-                done = {r.request_id for r in finished}
-                self.running = [r for r in self.running if r.request_id not in done]
-                for request in finished:
-                    self._release(request)
+                self._release(finished)
         return outputs

@@ -86,6 +86,16 @@ class Slots:
             grown[:, :self.first_conf.shape[1]] = self.first_conf
             self.first_conf = grown
 
+    def move(self, src: int, dst: int) -> None:
+        """Slot `dst` takes over slot `src`'s request: its canvas, cache, knobs and row state (the
+        scheduler keeps the running rows in slots [0, n): engine/scheduler.py)."""
+        self.canvas[dst] = self.canvas[src]
+        self.store.move_row(src, dst)
+        for table in self.knobs.values():
+            table[dst] = table[src]
+        self.first_conf[dst] = self.first_conf[src]
+        self.low_yield[dst] = self.low_yield[src]
+
     def rows(self, batch: Batch) -> RowTables:
         """The knobs and row state of the step's rows."""
         slots = batch.slots

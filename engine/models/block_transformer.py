@@ -25,7 +25,7 @@ Two entry points, both returning raw logits [B, L, vocab]:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import torch
 
@@ -37,10 +37,13 @@ from engine.models.transformer import DiffusionTransformer, check_input_ids
 BlockMask = Literal["block_causal", "additive_01"]
 
 
+BlockSize = Union[int, torch.Tensor]  # one block size, or each row's ([B] long; [B, 1] for the mask)
+
+
 def block_causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
-                      block_size: int) -> torch.Tensor:
+                      block_size: BlockSize) -> torch.Tensor:
     """[B, 1, Lq, Lk] bool (True = may attend) from query positions [B, Lq] and key positions [B, Lk]
-    (either may have batch 1)."""
+    (either may have batch 1), under one block size or each row's ([B, 1])."""
     query_block = torch.div(query_positions, block_size, rounding_mode="floor")
     key_block = torch.div(key_positions, block_size, rounding_mode="floor")
     return (key_block[:, None, :] <= query_block[:, :, None])[:, None]
@@ -50,15 +53,21 @@ def block_causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor
 class BlockCache:
     """Where a `forward_cached` call reads and writes keys/values.
 
-    `store` keys/values are [slots, kv_heads, width, head_dim], post-QK-norm and post-RoPE keys and
-    raw values, one row per slot, column = absolute position in the slot's sequence. Input row r
-    uses store row `rows[r]` (r when None); its cached length is `start[r]`. `width` (a host int,
-    at least max(start) + L) bounds the columns attended over; None means the whole store."""
+    `store` keys/values are [R, kv_heads, width, head_dim], post-QK-norm and post-RoPE keys and raw
+    values, column = absolute position in the row's sequence; input row r reads and writes store
+    row r in place (the engine hands a view of the rows' slots, `KVStore.rows_view`). Row r's cached
+    length is `start[r]`. `width` (a host int, at least max(start + fed)) bounds the columns
+    attended over; None means the whole store.
+
+    Rows may feed different numbers of tokens in one forward: row r's first `fed[r]` inputs are its
+    tokens, the rest padding whose keys/values go to column `scratch` (one no row attends, past
+    `width`) and whose outputs are never read. A row with fed 0 takes no part."""
 
     store: KVStore
     start: torch.Tensor  # [R] long
-    rows: Optional[torch.Tensor] = None  # [R] long
     width: Optional[int] = None
+    fed: Optional[torch.Tensor] = None  # [R] long; None: every input of every row
+    scratch: Optional[int] = None  # needed with `fed`
 
 
 class BlockDiffusionTransformer(DiffusionTransformer):
@@ -97,23 +106,38 @@ class BlockDiffusionTransformer(DiffusionTransformer):
         attn_mask = allowed.to(self.dtype) if mask == "additive_01" else allowed
         return self.run_layers(input_ids, position_ids, attn_mask, None, logits_at, hidden_states_out)
 
-    def forward_cached(self, input_ids: torch.Tensor, cache: BlockCache, *, block_size: int,
+    def forward_cached(self, input_ids: torch.Tensor, cache: BlockCache, *, block_size: BlockSize,
                        logits_at: Optional[Positions] = None) -> torch.Tensor:
-        """Raw logits [R, L, vocab] of each row's L tokens at positions `cache.start[r] + arange(L)`
-        against the row's exact cache (see the module docstring)."""
+        """Raw logits [R, L, vocab] of each row's tokens at positions `cache.start[r] + arange(L)`
+        against the row's exact cache (see the module docstring), under one block size or each
+        row's ([R] long)."""
         _check_block(input_ids, block_size)
         length = input_ids.shape[1]
         width = cache.store.width if cache.width is None else cache.width
         device = input_ids.device
-        position_ids = cache.start[:, None] + torch.arange(length, device=device)
+        j = torch.arange(length, device=device)[None]
+        start = cache.start[:, None]
+        if cache.fed is None:
+            position_ids, end = start + j, cache.start + length
+            write_index = position_ids
+        else:
+            if cache.scratch is None:
+                raise ValueError("a BlockCache with `fed` needs a `scratch` column")
+            fed = cache.fed[:, None]
+            # padding sits at its row's last fed position (a valid query, never read); a row that
+            # feeds nothing attends to column 0 alone, so that no query's scores are all masked
+            position_ids = start + torch.minimum(j, (fed - 1).clamp(min=0))
+            write_index = torch.where(j < fed, start + j, cache.scratch)
+            end = (cache.start + cache.fed).clamp(min=1)
         columns = torch.arange(width, device=device)
-        written = columns[None, :] < (cache.start + length)[:, None]  # [R, width]
-        attn_mask = block_causal_mask(position_ids, columns[None], block_size) & written[:, None, None, :]
-        write = CacheWrite(cache.store, position_ids, cache.rows, width=width)
+        written = columns[None, :] < end[:, None]  # [R, width]
+        sizes = block_size if isinstance(block_size, int) else block_size[:, None]
+        attn_mask = block_causal_mask(position_ids, columns[None], sizes) & written[:, None, None, :]
+        write = CacheWrite(cache.store, write_index, width=width)
         return self.run_layers(input_ids, position_ids, attn_mask, write, logits_at, None)
 
 
-def _check_block(input_ids: torch.Tensor, block_size: int) -> None:
+def _check_block(input_ids: torch.Tensor, block_size: BlockSize) -> None:
     check_input_ids(input_ids)
-    if block_size <= 0:
+    if isinstance(block_size, int) and block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")

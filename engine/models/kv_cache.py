@@ -7,9 +7,14 @@ tokens into those columns, then lets its queries attend over the store's columns
 full forward writes every column; a block forward (Fast-dLLM's DualCache) rewrites only the block;
 a block-diffusion model's forward writes the tokens it feeds after its exact cache.
 
-The engine keeps one store for all its slots: a full forward of some rows writes their keys and
-values into those rows of the store (`rows`) and attends only to what it computed itself
-(`attend_to_cache=False`), so no per-step store is ever allocated or copied.
+The engine keeps one store for all its slots, and a forward never copies it: a forward that attends
+over the store is handed a view of consecutive rows (`rows_view`; the scheduler keeps the running
+rows in slots [0, n), engine/scheduler.py), and attention reads those rows in place. A full forward
+of some rows writes their keys and values into those rows of the store (`rows`, any slots: a write,
+not a read) and attends only to what it computed itself (`attend_to_cache=False`).
+
+Moving keys/values between slots or into one (a slot compacted at a release, a cached prefix) goes
+through `write_columns`: "these keys/values go into slot s at positions [a, b)".
 """
 
 from __future__ import annotations
@@ -49,6 +54,18 @@ class KVStore:
         return KVStore(keys=[k[rows] for k in self.keys], values=[v[rows] for v in self.values],
                        key_mask=self.key_mask[rows])
 
+    def write_columns(self, slot: int, start: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Copy per-layer keys/values [kv_heads, n, head_dim] into slot `slot` at positions [start,
+        start + n). The key mask is the caller's to set (it says which columns a row may attend)."""
+        n = keys[0].shape[1]
+        for store, new in zip(self.keys + self.values, keys + values, strict=True):
+            store[slot, :, start:start + n] = new
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Slot `dst` takes slot `src`'s whole cache and key mask (a slot compacted at a release)."""
+        self.write_columns(dst, 0, [k[src] for k in self.keys], [v[src] for v in self.values])
+        self.key_mask[dst] = self.key_mask[src]
+
     @property
     def batch(self) -> int:
         return self.key_mask.shape[0]
@@ -70,16 +87,20 @@ def write_kv(store: torch.Tensor, new: torch.Tensor, write_index: torch.Tensor, 
 class CacheWrite:
     """Where the current forward's tokens go in `store`: column `write_index[b, i]` of store row
     `rows[b]` (row b when `rows` is None) for token i of input row b. With `attend_to_cache`, the
-    queries of row b attend over the first `width` columns (all when None) of store row `rows[b]`;
-    without, over this forward's own keys and values."""
+    queries of row b attend over the first `width` columns (all when None) of store row b, read in
+    place: a forward that attends is given a store whose row b is its input row b (a `rows_view`),
+    never a gather of rows, which would copy every attended key and value once a layer."""
 
     store: KVStore
     write_index: torch.Tensor  # [B, Lq] long
-    rows: Optional[torch.Tensor] = None  # [B] long
+    rows: Optional[torch.Tensor] = None  # [B] long; only for a forward that does not attend to the store
     attend_to_cache: bool = True
     width: Optional[int] = None
 
     def __post_init__(self) -> None:
+        if self.attend_to_cache and self.rows is not None:
+            raise ValueError("a forward that attends to the store reads a view of its rows (KVStore.rows_view), "
+                             "not rows gathered by index")
         # the store row of each input row, made once a forward rather than once a layer
         self.write_rows = self.rows if self.rows is not None else torch.arange(
             self.write_index.shape[0], device=self.write_index.device)
@@ -92,11 +113,8 @@ class CacheWrite:
         write_kv(values, v, self.write_index, self.write_rows)
         if not self.attend_to_cache:
             return k, v
-        if self.rows is None:  # a view of the first rows, not a copy
-            return keys[:k.shape[0], :, :self.width], values[:k.shape[0], :, :self.width]
-        return keys[self.rows, :, :self.width], values[self.rows, :, :self.width]
+        return keys[:k.shape[0], :, :self.width], values[:k.shape[0], :, :self.width]  # views
 
     def key_mask(self) -> torch.Tensor:
         """[B, width] the store's key mask at the rows and columns attended over."""
-        mask = self.store.key_mask[:self.write_index.shape[0]] if self.rows is None else self.store.key_mask[self.rows]
-        return mask[:, :self.width]
+        return self.store.key_mask[:self.write_index.shape[0], :self.width]

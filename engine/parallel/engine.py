@@ -25,7 +25,7 @@ import itertools
 import random
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, Optional
 
@@ -55,8 +55,9 @@ class ReplicatingScheduler(Scheduler):
     on `Scheduler` taking `self._lock` in add, abort and schedule (made reentrant here) and on a
     `Request` pickling as it was added (the workers' schedulers take the copies)."""
 
-    def __init__(self, max_batch: int, device: torch.device, workers: WorkerGroup) -> None:
-        super().__init__(max_batch, device)
+    def __init__(self, max_batch: int, device: torch.device, move_slot: Callable[[int, int], None],
+                 workers: WorkerGroup) -> None:
+        super().__init__(max_batch, device, move_slot)
         self._lock = threading.RLock()  # schedule() sends while holding it, then takes it again
         self._log: list[tuple[str, Any]] = []
         self._workers = workers
@@ -136,7 +137,7 @@ class TensorParallelEngine(Engine):
         if hasattr(self, "scheduler"):  # after setup, only a failed step resets (see the module docstring)
             self.workers.fail_step(sys.exc_info()[1])  # the step's exception, when called while handling it
         super().reset()
-        self.scheduler = ReplicatingScheduler(self.max_batch, self.model.device, self.workers)
+        self.scheduler = ReplicatingScheduler(self.max_batch, self.model.device, self.slots.move, self.workers)
 
     def scoring_job(self, prompt_ids: Sequence[int], samples: Optional[int] = None, seed: int = 0) -> ScoringJob:
         ids = [int(t) for t in prompt_ids]

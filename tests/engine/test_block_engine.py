@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from cache_views import cache_reads_in_place
 
 from engine import DecodeParams, Engine, RequestError, load_model
 
@@ -100,7 +101,9 @@ def test_block_edit_fills_its_block_at_the_step_limit(sdar_models):
 
 
 def test_rows_decode_the_same_batched_and_alone(sdar_models):
-    """Rows of different policies, block sizes and prompt tails share steps at different blocks."""
+    """Rows of different policies, block sizes and prompt tails share steps at different blocks (one
+    padded cached forward, a window row among them), rows finishing and moving slots as they go;
+    every cached forward reads the store in place."""
     model = next(iter(sdar_models.values()))
     params = [DecodeParams(policy="cai", gen_length=16, block_length=4, steps=16),
               DecodeParams(policy="block-dynamic", gen_length=16, block_length=8, steps=8, threshold=0.6,
@@ -111,7 +114,10 @@ def test_rows_decode_the_same_batched_and_alone(sdar_models):
               DecodeParams(policy="block-dynamic", gen_length=16, block_length=4, steps=8, cache="none",
                            eos_early_stop=True, block_attention="additive_01")]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
-    batched = Engine.from_model(model, max_batch=3).generate(prompts, params)
+    engine = Engine.from_model(model, max_batch=3)
+    with cache_reads_in_place(engine) as checked:
+        batched = engine.generate(prompts, params)
+    assert checked[0] > 0
     alone = [Engine.from_model(model, max_batch=1).generate([p], q)[0] for p, q in zip(prompts, params, strict=True)]
     for a, b in zip(batched, alone, strict=True):
         assert a.generated_ids == b.generated_ids

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cache_views import cache_reads_in_place
 
 from engine import DecodeParams, Engine, load_model
 from engine.batch import Batch
@@ -124,27 +125,35 @@ def test_one_host_read_per_step_on_block_diffusion_models(fixtures, tmp_path, mo
         assert steps > 1
 
 
-def test_a_slot_range_reads_the_store_as_a_view_and_gaps_gather_the_same_rows(llada_model):
-    """Rows of consecutive slots attend over a view of the KV store; the same rows read out of the
-    store by slot index (a batch with gaps) give the same logits, step after step."""
-    import dataclasses
+def test_dual_and_prefix_rows_read_the_store_in_place_and_decode_as_alone(llada_model):
+    """Rows joining and leaving (their slots compacted as they go) while others run dual- or
+    prefix-cache steps: a cached forward runs over its rows' span of slots, a view of the store, the
+    rows at their block's first step inside it feeding nothing; every row decodes as it does alone."""
+    engine = Engine.from_model(llada_model, max_batch=3)
+    params = [DecodeParams(policy="fixed", gen_length=8 * (1 + i % 3), block_length=8, steps=8 * (1 + i % 3),
+                           cache="dual" if i % 2 else "prefix") for i in range(6)]
+    prompts = [[1 + i, 2, 3, 4][:2 + i % 3] for i in range(6)]
+    with cache_reads_in_place(engine) as checked:
+        batched = engine.generate(prompts, params)
+    assert checked[0] > 0
+    for prompt, p, result in zip(prompts, params, batched, strict=True):
+        alone = Engine.from_model(llada_model, max_batch=1).generate([prompt], p)[0]
+        assert result.generated_ids == alone.generated_ids
 
-    engine = Engine.from_model(llada_model, max_batch=6)  # two slots stay free
-    for i in range(4):  # the fixed schedule: one token a step, dual-cache steps after each block's first
-        engine.add_request([1 + i, 2, 3], DecodeParams(policy="fixed", gen_length=16, block_length=8, steps=16,
-                                                       cache="dual"))
-    engine.step()  # the full forwards fill the rows' caches
-    for _ in range(3):
-        batch = Batch.build(list(engine.scheduler.running), engine.mode.plan, llada_model.device)
-        assert batch.slot_range == slice(0, 4)
-        assert {plan.kind for plan in batch.plans} == {"dual"}
-        viewed = engine.runner.run(batch).logits
-        gathered = engine.runner.run(dataclasses.replace(batch, slot_range=None)).logits
-        assert torch.equal(viewed, gathered)
-        engine.step()
-    engine.abort(engine.scheduler.running[1].request_id)
+
+def test_the_running_rows_hold_slots_0_to_n_in_row_order(llada_model):
+    engine = Engine.from_model(llada_model, max_batch=4)
+    ids = [engine.add_request([1 + i, 2, 3], DecodeParams(policy="fixed", gen_length=16, block_length=8, steps=16))
+           for i in range(4)]
     engine.step()
-    assert Batch.build(list(engine.scheduler.running), engine.mode.plan, llada_model.device).slot_range is None
+    engine.abort(ids[0])
+    engine.abort(ids[2])
+    engine.step()
+    running = engine.scheduler.running
+    assert [r.request_id for r in running] == [ids[3], ids[1]]  # the last row moved into the first hole
+    assert [r.slot for r in running] == [0, 1]
+    batch = Batch.build(list(running), engine.mode.plan, llada_model.device)
+    assert batch.span == slice(0, 2) and batch.fills_span
 
 
 def test_the_decide_step_commits_what_cai_step_decides(llada_model):

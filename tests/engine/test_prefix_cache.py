@@ -154,3 +154,20 @@ def test_masked_diffusion_refuses_it_and_a_window_forward_skips_it(llada_model, 
 
 def test_the_default_is_on_for_block_diffusion(model):
     assert Engine.from_model(model, enable_prefix_caching=None).prefix_cache is not None
+
+
+def test_a_row_finished_in_its_first_step_caches_its_own_prompt(model):
+    """A row admitted and finished in one step leaves its slot to the row above it (the slots stay
+    compact): its prompt's blocks are cached from its own keys and values, read before the move."""
+    block = model.block_size or 4
+    quick_prompt = _prompts(model, 1, seed=3)[0][:2 * block]
+    other_prompt = _prompts(model, 1, seed=4)[0]
+    # its whole answer is one block, all committed by the first forward (every confidence is above 0)
+    quick = DecodeParams(policy="block-dynamic", threshold=0.0, gen_length=block, block_length=block,
+                         logprobs=2, ignore_eos=True)
+    engine = Engine.from_model(model, max_batch=2, enable_prefix_caching=True)
+    first = engine.generate([quick_prompt, other_prompt], [quick, _params(model, "block-dynamic")])
+    assert first[0].stats.nfe == 1 < first[1].stats.nfe
+    again = engine.generate([quick_prompt], quick)[0]
+    assert again.stats.cached_tokens == len(quick_prompt)
+    _same(Engine.from_model(model, max_batch=1).generate([quick_prompt], quick)[0], again)

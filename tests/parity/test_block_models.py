@@ -161,31 +161,32 @@ def test_sdar_incremental_path_matches_official(sdar_dir):
 
 
 def test_rows_at_different_blocks_share_one_cached_forward(sdar_dir):
-    """A batch of rows at different blocks, in permuted store rows, their prefixes written in calls
-    of whole blocks: every row gets its own full block-causal forward's logits."""
+    """A batch of rows at different blocks feeding different numbers of tokens (one its first two
+    blocks against an empty cache, one its last block against the cache of the others, padded) in
+    one forward over the store's rows in place: every row gets its own full block-causal forward's
+    logits, and the padding leaves the cache alone."""
     data = load_file(_forward_files(sdar_dir, "forward")[0])
     block = _block_size_of(data["attention_mask"][0, 0], 1.0)
     model = load_model(_sdar_checkpoint_for(sdar_dir, block))
     ids = data["input_ids"][0]
-    # row r has cached_blocks[r] whole blocks cached and denoises the next one
-    cached_blocks = [1, ids.shape[0] // block - 1]
-    assert cached_blocks[1] > cached_blocks[0], "the fixture row must hold at least three blocks"
-    store_rows = torch.tensor([1, 0])
-    store = _store(model, 2, ids.shape[0])
+    blocks = ids.shape[0] // block
+    assert blocks >= 3, "the fixture row must hold at least three blocks"
+    scratch = ids.shape[0]
+    store = _store(model, 2, scratch + 1)
     with torch.no_grad():
-        for r, blocks in enumerate(cached_blocks):
-            for lo, hi in ((0, block), (block, blocks * block)):  # a prefill, then finished blocks
-                if hi > lo:
-                    model.forward_cached(ids[None, lo:hi], BlockCache(store, _at(1, lo), store_rows[r:r + 1]),
-                                         block_size=block)
-        current = torch.stack([ids[b * block:(b + 1) * block] for b in cached_blocks])
-        starts = torch.tensor([b * block for b in cached_blocks])
-        logits = model.forward_cached(current, BlockCache(store, starts, store_rows, width=ids.shape[0]),
-                                      block_size=block)
-        for r, blocks in enumerate(cached_blocks):
-            end = (blocks + 1) * block
-            alone = model(ids[None, :end], block_size=block)[0, blocks * block:]
-            _close(logits[r], alone, LOGITS_ATOL)
+        # row 1 caches blocks [0, blocks - 1) in whole-block calls, in its own row of the store
+        for b in range(blocks - 1):
+            model.forward_cached(ids[None, b * block:(b + 1) * block], BlockCache(store.rows_view(slice(1, 2)),
+                                 _at(1, b * block)), block_size=block)
+        cached_keys = store.keys[0][1, :, :(blocks - 1) * block].clone()
+        fed = torch.tensor([2 * block, block])
+        current = torch.stack([ids[:2 * block], torch.cat([ids[(blocks - 1) * block:], ids[:block]])])
+        starts = torch.tensor([0, (blocks - 1) * block])
+        cache = BlockCache(store, starts, width=ids.shape[0], fed=fed, scratch=scratch)
+        logits = model.forward_cached(current, cache, block_size=torch.tensor([block, block]))
+        _close(logits[0], model(ids[None, :2 * block], block_size=block)[0], LOGITS_ATOL)
+        _close(logits[1, :block], model(ids[None], block_size=block)[0, (blocks - 1) * block:], LOGITS_ATOL)
+        assert torch.equal(store.keys[0][1, :, :(blocks - 1) * block], cached_keys)
 
 
 # ---- LLaDA2 --------------------------------------------------------------------------------------
