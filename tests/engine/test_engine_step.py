@@ -150,10 +150,10 @@ def test_a_slot_range_reads_the_store_as_a_view_and_gaps_gather_the_same_rows(ll
 def test_the_decide_step_commits_what_cai_step_decides(llada_model):
     """Through the slot tables and the knob columns, at any block and step, with any stored s_i and
     counter, the engine's decide step commits what `cai_step` decides from the requests' knobs."""
+    from engine.batch import ForwardOutput
     from engine.decide import decide_step
     from engine.decoding import policies as P
     from engine.decoding.sampling import confidence, predict
-    from engine.model_runner import ForwardOutput
 
     params = [DecodeParams(policy="cai", gen_length=64, block_length=16, steps=64),
               DecodeParams(policy="cai", gen_length=128, block_length=16, steps=64, gating=True,
