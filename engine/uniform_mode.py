@@ -152,7 +152,7 @@ class UniformDiffusion(DecodingMode):
         later = batch.step > 0
         same = (argmax == slots.argmax[at]).all(dim=-1) & later
         stable = torch.where(same, slots.stable[at] + 1, 0)
-        x = U.CanvasInputs(entropy=torch.distributions.Categorical(logits=scaled).entropy(),
+        x = U.CanvasInputs(entropy=U.entropy(scaled),
                            canvas_in=slots.noisy[at], sampled=torch.cat(sampled).to(at.device),
                            renoise=torch.cat(renoise).to(at.device), stable=stable, canvas_index=batch.block,
                            knobs=knobs, settled=slots.settled[at], accepted_before=slots.accepted[at],

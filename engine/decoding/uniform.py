@@ -65,6 +65,13 @@ def temperature(step: torch.Tensor, knobs: Mapping[str, torch.Tensor]) -> torch.
     return knobs["t_min"] + (knobs["t_max"] - knobs["t_min"]) * fraction
 
 
+def entropy(scaled: torch.Tensor) -> torch.Tensor:
+    """[B, CL] float32 entropy of softmax(scaled), as torch.distributions.Categorical computes it (the
+    official code's), without its argument check (a host read)."""
+    log_p = scaled - scaled.logsumexp(dim=-1, keepdim=True)
+    return -(log_p.clamp(min=torch.finfo(log_p.dtype).min) * log_p.softmax(dim=-1)).sum(dim=-1)
+
+
 def entropy_bound_accept(entropy: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
     """[B, CL] bool: by ascending entropy, a position is kept when the entropies before it sum to at
     most the row's bound (the lowest-entropy position always is; float32 sums, as officially)."""
