@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 from engine import DecodeParams, Engine, GenerationResult, StepOutput
 from engine.decoding.types import RequestStats, TokenLogprob
+from engine.errors import RequestError
 from server.energy import EnergyMeter, share_energy
 from server.errors import QueueFull
 from server.metrics import Metrics
@@ -125,6 +126,10 @@ class EngineLoop:
     def warm_up(self) -> None:
         """One tiny decode before the loop starts, so the first request pays no first-call costs."""
         params = self.engine.default_params().with_overrides(gen_length=4, block_length=4, steps=4)
+        try:
+            self.engine.validate([0], params)
+        except RequestError:  # a mode whose block is the model's own (uniform noise: its canvas), one step
+            params = self.engine.default_params(DecodeParams(gen_length=1, max_denoising_steps=1))
         self.engine.generate([[0]], params)
 
     async def score(self, prompt_ids: Sequence[int], samples: int, seed: int) -> list[Optional[float]]:
