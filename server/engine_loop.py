@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from engine import DecodeParams, Engine, GenerationResult, StepOutput
+from engine.decoding.knobs import DecodeParamError
 from engine.decoding.types import RequestStats, TokenLogprob
 from engine.errors import RequestError
 from server.energy import EnergyMeter, share_energy
@@ -116,6 +117,15 @@ class EngineLoop:
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
         """RequestError unless the prompt is token ids this model can decode from (any thread)."""
         self.engine.check_prompt(prompt_ids)
+
+    def resolved(self, params: DecodeParams) -> DecodeParams:
+        """`params` with the model's defaults filled in, as the engine will run them (the checkpoint's
+        knobs included: DiffusionGemma's max_denoising_steps); `params` unchanged where they conflict
+        with those defaults, which the engine refuses, naming the field, when they are submitted."""
+        try:
+            return self.engine.default_params(params)
+        except DecodeParamError:
+            return params
 
     def set_chat_template(self, template: str) -> None:
         """Use this Jinja chat template instead of the checkpoint's (`serve --chat-template`)."""

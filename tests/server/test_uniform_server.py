@@ -25,6 +25,8 @@ pytestmark = pytest.mark.slow
 PROMPT = [2, 40, 41, 42, 43]
 MAX_TOKENS = 10  # not a multiple of the canvas (8): two canvases decoded, the last 6 tokens dropped
 DECODING = {"max_denoising_steps": 6}
+CHECKPOINT_STEPS = 4  # the copy's generation_config.json max_denoising_steps (the fixture's is 48)
+STEP_CAP = 2 * DECODING["max_denoising_steps"]  # --max-decode-steps: the requests above fit it
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +34,15 @@ def model_dir(tmp_path_factory) -> Path:
     dest = tmp_path_factory.mktemp("dg") / "dg-tiny"
     shutil.copytree(FIXTURES / "diffusion_gemma" / "dg_tiny", dest)
     chars.write_tokenizer_files(dest)
+    generation = json.loads((dest / "generation_config.json").read_text())
+    (dest / "generation_config.json").write_text(json.dumps({**generation, "max_denoising_steps": CHECKPOINT_STEPS}))
     return dest
 
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path) -> Iterator[str]:
-    with running_server("--model", str(model_dir), "--max-batch", "4") as (base, _):
+    with running_server("--model", str(model_dir), "--max-batch", "4", "--max-decode-steps", str(STEP_CAP)) \
+            as (base, _):
         yield base
 
 
@@ -98,3 +103,17 @@ def test_what_the_uniform_mode_refuses_names_the_field(server, client, extra, pa
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["code"] == code
+
+
+def test_the_step_cap_counts_the_checkpoints_steps_per_canvas(server, client) -> None:
+    """--max-decode-steps reads max_denoising_steps as the engine resolves it: the checkpoint's
+    generation_config value when the request sets none, the request's when it does."""
+    body = {"model": client.models.list().data[0].id, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "seed": 1}
+    canvases = -(-MAX_TOKENS // 8)
+    assert canvases * CHECKPOINT_STEPS <= STEP_CAP < canvases * 48  # served only if the checkpoint's value counts
+    assert httpx.post(f"{server}/v1/completions", json=body, timeout=120).status_code == 200
+    over = {**body, "decoding": {"max_denoising_steps": STEP_CAP // canvases + 1}}
+    response = httpx.post(f"{server}/v1/completions", json=over, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("decoding.max_denoising_steps", "decode_steps_exceeded")
