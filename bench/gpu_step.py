@@ -1,5 +1,5 @@
-"""Time of ONE decoding step of LLaDA-8B, Dream-7B, SDAR-8B and LLaDA2.0-mini shapes, next to its
-roofline floor.
+"""Time of ONE decoding step of LLaDA-8B, Dream-7B, SDAR-8B, LLaDA2.0-mini and DiffusionGemma-26B-A4B
+shapes, next to its roofline floor.
 
 The models have the real architectures (parsed from the released `config.json` files in
 `tests/fixtures/real/`) with random weights created directly on the device, so no checkpoint is
@@ -16,7 +16,8 @@ Each row is set against a floor measured in the same run: memory floor = bytes t
 measured matmul rate; floor = the larger. See docs/performance.md.
 
 SDAR and LLaDA2 decode in the block-causal mode: their rows (cache `exact`; steps `prefill`,
-`denoise`, `next`) are bench/block_step.py's, which says what they time and count.
+`denoise`, `next`) are bench/block_step.py's, which says what they time and count; DiffusionGemma's (uniform-noise mode:
+steps `prefill`, `denoise`, `next` of a canvas) are bench/dg_step.py's.
 
     python bench/gpu_step.py                       # H100/H200: real shapes, bf16
     python bench/gpu_step.py --shapes tiny --device cpu --dtype float32 --prompt-len 64 --gen-len 64 --block 16
@@ -50,6 +51,8 @@ from engine.special_tokens import added_token_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from block_step import BLOCK_MODELS, run_block_model
+from dg_step import NAME as DG
+from dg_step import run_dg_model
 from random_models import build_random
 from roofline import CACHED, FULL, ModelDims, measure_rates, step_bytes, step_flops, step_shape, sync
 from tp_step import add_arguments as add_tp_arguments
@@ -210,8 +213,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", choices=("real", "mid", "tiny"), default="real",
                         help="mid: llada and dream at 1/8 of the width (for a CPU run)")
-    parser.add_argument("--models", nargs="+", choices=(*MODELS, *BLOCK_MODELS), default=[*MODELS, *BLOCK_MODELS],
-                        help="sdar and llada2 run the block-causal step (bench/block_step.py); --caches, "
+    parser.add_argument("--models", nargs="+", choices=(*MODELS, *BLOCK_MODELS, DG),
+                        default=[*MODELS, *BLOCK_MODELS, DG],
+                        help="sdar and llada2 run the block-causal step (bench/block_step.py), dg "
+                             "DiffusionGemma-26B-A4B's uniform-noise step (bench/dg_step.py); --caches, "
                              "--gen-len and --quantization apply to llada and dream only")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
@@ -373,6 +378,9 @@ def _run(args: argparse.Namespace, argv_shown: list[str]) -> None:
     for name in (name for name in args.models if name in BLOCK_MODELS):
         run_block_model(name, args, device, dtype, rates, lambda row: print(_format_row(row), flush=True),
                         random_prompts)
+        free_model()
+    if DG in args.models:
+        run_dg_model(args, device, dtype, rates, lambda row: print(_format_row(row), flush=True))
         free_model()
 
 

@@ -17,10 +17,13 @@ from engine.parallel.sharding import check_divisible
 from engine.special_tokens import SpecialTokens
 
 INIT_STD = 0.02
+# parameters the constructors set to one besides the norms' scales (Gemma4: the layer scalars, the
+# router's input and per-expert scales): a random value would only rescale activations or routes
+UNIT_PARAMS = ("encoder_scalar", "decoder_scalar", "router.scale", "router.per_expert_scale")
 
 
 def build_random(hf_config: dict[str, Any], special: SpecialTokens, device: torch.device, dtype: torch.dtype,
-                 seed: int = 0, tp: TensorParallel = SINGLE) -> DiffusionTransformer:
+                 seed: int = 0, tp: TensorParallel = SINGLE) -> Any:
     """The model of `hf_config` with N(0, 0.02) weights (norm scales 1), allocated once on `device`
     (no init pass by the constructors: an 8B model takes seconds); with `tp`, that rank's share,
     each parameter drawn from a generator seeded by its name, so that the parameters every rank
@@ -38,8 +41,8 @@ def build_random(hf_config: dict[str, Any], special: SpecialTokens, device: torc
     with torch.no_grad():
         norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
         for name, param in model.named_parameters():
-            if id(param) in norm_weights:
-                param.fill_(1.0)  # a random norm scale would only rescale activations
+            if id(param) in norm_weights or name.endswith(UNIT_PARAMS):
+                param.fill_(1.0)
             elif name.endswith("expert_bias"):
                 param.zero_()  # LLaDA2's router bias: zero, so that the router's choice is the scores'
             else:
@@ -51,13 +54,15 @@ def build_random(hf_config: dict[str, Any], special: SpecialTokens, device: torc
     return model
 
 
-def _reinit_buffers(model: DiffusionTransformer, device: torch.device) -> None:
+def _reinit_buffers(model: Any, device: torch.device) -> None:
     """to_empty leaves buffers uninitialised. The rotary module is rebuilt on the device (today it
-    holds no buffer, but a cos/sin cache would be computed by its constructor); any other buffer is
-    refused rather than timed with garbage in it."""
-    rotary = model.rotary
-    with torch.device(device):
-        model.rotary = RotaryEmbedding(rotary.dim, rotary.theta)
+    holds no buffer, but a cos/sin cache would be computed by its constructor; DiffusionGemma's
+    per-kind rotaries compute their frequencies on first use); any other buffer is refused rather
+    than timed with garbage in it."""
+    rotary = getattr(model, "rotary", None)
+    if rotary is not None:
+        with torch.device(device):
+            model.rotary = RotaryEmbedding(rotary.dim, rotary.theta)
     others = [name for name, _ in model.named_buffers() if not name.startswith("rotary.")]
     if others:
         raise RuntimeError(f"buffers this benchmark does not know how to initialise: {others}")

@@ -56,7 +56,7 @@ def _denoised(request: Request, info: RowSummary, mode: DecodingMode) -> Optiona
     stats.forced_commits += info.forced
     stats.grinding_exits += info.grinding_exit
     stats.token_edits += info.edited
-    if request.step == 0:
+    if request.step == 0 and mode.confidence_bands:
         bands = stats.first_step_confidence_bands
         bands[0] += info.band_high
         bands[1] += request.undecided - info.band_high - info.band_low

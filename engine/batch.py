@@ -13,7 +13,7 @@ from __future__ import annotations
 import array
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -35,6 +35,26 @@ class RowPlan(NamedTuple):
 STEP_FIELDS = ("slot", "step", "block", "block_start", "quota", "first_only", "block_length", "length",
                "prompt_len", "cache_start", "commits", "steps_per_block", "num_blocks")
 _ROW_TENSORS = ("slots", *STEP_FIELDS[1:])  # the Batch fields that hold them
+
+
+@dataclass
+class ForwardOutput:
+    """The forward passes' result for the step's rows, in row order (`engine.model_runner`)."""
+
+    logits: torch.Tensor  # [B, W, V] float32: the prediction for each block position
+    block_tokens: torch.Tensor  # [B, W] the canvas at each row's block (past the block: what follows it)
+    in_block: torch.Tensor  # [B, W] position inside the row's block
+    positions: torch.Tensor  # [B, W] canvas index of each block position
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """What a step decided (`engine.decide`, or a mode's own decide step)."""
+
+    tokens: torch.Tensor  # [B, W] each row's block after the step
+    first_conf: Optional[torch.Tensor]  # the policies' row state to store (None: no policy of the step keeps one)
+    low_yield: Optional[torch.Tensor]
+    summary: torch.Tensor  # engine.summary.encode
 
 
 def _span(requests: list[Request]) -> slice:

@@ -9,31 +9,19 @@ the decoding mode's progress measure (`DecodingMode.undecided`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 import torch
 
 from engine import summary
-from engine.batch import Batch
+from engine.batch import Batch, ForwardOutput, StepDecision
 from engine.decoding import policies as P
 from engine.decoding.knobs import field_words
 from engine.decoding.params import DecodeParams
 from engine.decoding.registry import POLICIES, PolicyInputs, decide, policy_rows
 from engine.decoding.sampling import CONF_PROB, confidence, filter_min_p, filter_top_k_top_p, predict, token_logprobs
 from engine.mode import DecodingMode
-from engine.model_runner import ForwardOutput
 from engine.slots import RowTables
 
 _WORDS = field_words(DecodeParams)
-
-
-@dataclass(frozen=True)
-class StepDecision:
-    tokens: torch.Tensor  # [B, W] each row's block after the step
-    first_conf: Optional[torch.Tensor]  # the policies' row state to store (None: no policy of the step keeps one)
-    low_yield: Optional[torch.Tensor]
-    summary: torch.Tensor  # engine.summary.encode
 
 
 def decide_step(batch: Batch, rows: RowTables, out: ForwardOutput, mode: DecodingMode,

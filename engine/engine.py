@@ -35,14 +35,13 @@ from engine.dual_graphs import DualStepGraphs
 from engine.errors import CheckpointError, RequestError
 from engine.loading.tokenizer import load_tokenizer
 from engine.loading.weights import load_model
-from engine.model_runner import MODES, ModelRunner, decoding_mode
+from engine.model_runner import MODES, ModelRunner
 from engine.models.registry import Family, family_of
 from engine.models.transformer import DiffusionTransformer
 from engine.prefix_cache import PrefixCache, default_budget_gb
 from engine.request import Geometry, Request, StepOutput
 from engine.scheduler import Scheduler
 from engine.scoring import ScoringJob, scoring_cost
-from engine.slots import Slots
 from engine.user_text import encode_prompt_text
 
 Prompt = Union[Sequence[int], str]
@@ -89,9 +88,6 @@ class Engine:
         return engine
 
     def _setup(self, config: EngineConfig, model: DiffusionTransformer, tokenizer: Optional[Any]) -> None:
-        if not isinstance(model, DiffusionTransformer):  # DiffusionGemma: the model loads, its mode is to come
-            raise CheckpointError(f"{model.display_name} checkpoints load (cai-dllm inspect, the model API) but "
-                                  "cannot be served yet: its uniform-noise decoding mode is not implemented")
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -124,11 +120,11 @@ class Engine:
 
     def reset(self) -> None:
         """Drop every request, waiting or running (after a failed step)."""
-        self.slots = Slots(self.model, self.max_batch)
+        mode = MODES[self.family.mode]  # the decoding mode of the model's family: the same for every reset
+        self.slots = mode.slots_class(self.model, self.max_batch)
         self.scheduler = Scheduler(self.max_batch, self.model.device, self.slots.move)
         graphs = DualStepGraphs(self.model, self.max_batch, capture=True) if self.config.uses_cuda_graphs else None
-        # the decoding mode of the model's family (masked or block diffusion): the same for every reset
-        self.mode = decoding_mode(self.family.mode, self.model, self.slots, graphs)
+        self.mode = mode(self.model, self.slots, graphs)
         self.runner = ModelRunner(self.mode, self.slots)
 
     @property
@@ -152,8 +148,9 @@ class Engine:
     def default_params(self, params: Optional[DecodeParams] = None) -> DecodeParams:
         """`params` (or the defaults) with this model's defaults filled in."""
         family = self.family
-        return (params or DecodeParams()).with_model_defaults(self.model_block_length, family.default_cache,
-                                                              family.gating)
+        params = (params or DecodeParams()).with_model_defaults(self.model_block_length, family.default_cache,
+                                                                family.gating, family.default_policy)
+        return self.mode.with_defaults(params)
 
     # ------------------------------------------------------------------ the step API
 
@@ -209,7 +206,7 @@ class Engine:
         ids = tuple(int(t) for t in prompt_ids)
         resolved, geometry = self._resolve(ids, params or DecodeParams())
         request_id = request_id or f"req-{next(self._ids)}"
-        request = Request(request_id, ids, resolved, geometry, self.model.special.mask_id, self._end_set,
+        request = Request(request_id, ids, resolved, geometry, self.mode.blank, self._end_set,
                           queued_at if queued_at is not None else time.perf_counter())
         self.scheduler.add(request)
         return request_id
@@ -248,24 +245,26 @@ class Engine:
             return []
         batch = Batch.build(list(self.scheduler.running), self.mode.plan, self.model.device)
         out = self.runner.run(batch)
-        decided = decide_step(batch, self.slots.rows(batch), out, self.mode, self._end_ids)
+        rows = self.slots.rows(batch)
+        decided = self.mode.decide(batch, rows, out, self._end_ids) or decide_step(batch, rows, out, self.mode,
+                                                                                   self._end_ids)
         self.slots.write_back(batch, out.positions, decided.tokens, decided.first_conf, decided.low_yield)
         # the step's one device-to-host read
-        rows = summary.decode(decided.summary.tolist(), batch.width, batch.logprob_k)
+        host = summary.decode(decided.summary.tolist(), batch.width, batch.logprob_k)
         # the blocks this step made final, finished rows' included: read before a finished row's slot
         # takes a row that moves down (Scheduler._release)
         insert = None if self.prefix_cache is None else functools.partial(
             self.prefix_cache.insert, batch.requests, self.slots.store)
-        return self.scheduler.postprocess(batch, rows, self.mode, before_release=insert)
+        return self.scheduler.postprocess(batch, host, self.mode, before_release=insert)
 
     # ------------------------------------------------------------------ likelihood
 
     def check_score(self, prompt_ids: Sequence[int], samples: int) -> None:
         """RequestError unless scoring this prompt fits the model's context and `max_score_tokens`."""
         if not self.mode.scores_likelihood:
-            raise RequestError(f"likelihood scoring (echo with logprobs) is not available for block-diffusion "
-                               f"models ({self.model.display_name}): engine.scoring's estimator is LLaDA's, for "
-                               f"full-attention masked diffusion; generate without echo instead", param="echo",
+            raise RequestError(f"likelihood scoring (echo with logprobs) is not available for {self.mode.name}-"
+                               f"diffusion models ({self.model.display_name}): engine.scoring's estimator is LLaDA's, "
+                               f"for full-attention masked diffusion; generate without echo instead", param="echo",
                                code="scoring_unsupported")
         self.check_prompt(prompt_ids)
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:

@@ -68,6 +68,15 @@ def _attention_kind(kind: AttentionKind, layers: int) -> str:
             f"on {kind.rotated_pairs} of {kind.head_dim // 2} pairs{window}{values}")
 
 
+def _layer_pattern(layer_types: tuple[str, ...]) -> str:
+    """The layer types as letters (S sliding, F full), its repeating unit once where there is one."""
+    letters = "".join("S" if t == SLIDING else "F" for t in layer_types)
+    for period in range(1, len(letters) // 2 + 1):
+        if len(letters) % period == 0 and letters[:period] * (len(letters) // period) == letters:
+            return f"{letters[:period]} x{len(letters) // period} (S sliding, F full)"
+    return f"{letters} (S sliding, F full)"
+
+
 def _diffusion_gemma_details(model: DiffusionGemmaModel, dtype: torch.dtype) -> dict[str, Any]:
     gemma = model.gemma
     sliding, full = gemma.layers_of(SLIDING), gemma.layers_of(FULL)
@@ -79,10 +88,12 @@ def _diffusion_gemma_details(model: DiffusionGemmaModel, dtype: torch.dtype) -> 
         "attention": (f"uniform-noise block diffusion: causal encoder over the prompt and each committed canvas, "
                       f"bidirectional decoder over a canvas of {gemma.canvas_length} random-initialised tokens"),
         "canvas_length": gemma.canvas_length,
+        "layer_pattern": _layer_pattern(gemma.layer_types),
         "sliding_layers": _attention_kind(gemma.sliding, len(sliding)),
         "full_layers": _attention_kind(gemma.full, len(full)),
-        "experts": (f"{gemma.num_experts} routed, {gemma.experts_per_token} per token, beside a dense MLP in every "
-                    f"layer"),
+        "experts": (f"{gemma.num_experts} routed of intermediate size {gemma.expert_intermediate_size}, "
+                    f"{gemma.experts_per_token} per token, beside a dense MLP of {model.config.intermediate_size} in "
+                    f"every layer"),
         "active_parameters": sum(p.numel() for p in model.parameters()) - idle,
         "final_logit_softcapping": gemma.final_logit_softcapping,
         "kv_cache": (f"{_size(per_position * dtype.itemsize)} per cached position (full layers) + "

@@ -7,7 +7,8 @@ A mode owns what differs between paradigms, so that nothing else branches on the
 - each row's plan for the step (`plan`: which forward, how many tokens fed, which rows share a
   forward, whether its decision is committed), made once a step and stored on the `Batch`;
 - its forwards (`forwards`: the runner's one table, by plan kind) and its cache-advance rule
-  (`after_step`);
+  (`after_step`); its slot state's owner (`slots_class`) and, where the shared decide step does not
+  fit it, its own (`decide`: uniform noise);
 - when an end token inside a block ends a row (`ends_inside_block`);
 - the progress measure: which positions are still undecided (`undecided`) and what a canvas starts
   as (`blank`). Masked and block diffusion both measure masks left; a mode without a mask token (one
@@ -22,7 +23,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from engine.batch import Batch, RowPlan
+from engine.batch import Batch, ForwardOutput, RowPlan, StepDecision
 from engine.decoding.knobs import mode_knobs
 from engine.decoding.params import DecodeParams
 from engine.decoding.registry import POLICIES
@@ -30,7 +31,7 @@ from engine.dual_graphs import DualStepGraphs
 from engine.errors import RequestError
 from engine.models.transformer import DiffusionTransformer
 from engine.request import Geometry, Request
-from engine.slots import Slots
+from engine.slots import RowTables, Slots
 
 ForwardFn = Callable[[Batch, int], torch.Tensor]  # (the rows of one forward, the step's width) -> logits
 _DEFAULTS = {f.name: f.default for f in fields(DecodeParams)}
@@ -42,6 +43,8 @@ class DecodingMode:
     scores_likelihood: ClassVar[bool] = False  # engine.scoring's estimator applies
     # a prompt's whole blocks have keys/values that nothing after them changes (engine.prefix_cache)
     prefix_caching: ClassVar[bool] = False
+    slots_class: ClassVar[type[Slots]] = Slots  # the owner of its slot state
+    confidence_bands: ClassVar[bool] = True  # a block's first-step confidence bands mean something
 
     def __init__(self, model: DiffusionTransformer, slots: Slots, dual_graphs: Optional[DualStepGraphs] = None) -> None:
         self.model = model
@@ -60,6 +63,15 @@ class DecodingMode:
 
     def plan(self, request: Request) -> RowPlan:
         raise NotImplementedError
+
+    def with_defaults(self, params: DecodeParams) -> DecodeParams:
+        """The mode's own knobs left unset, filled from the model (none by default)."""
+        return params
+
+    def decide(self, batch: Batch, rows: RowTables, out: ForwardOutput,
+               end_ids: torch.Tensor) -> Optional[StepDecision]:
+        """A mode's own decide step; None: the shared one (`engine.decide`, the policy registry)."""
+        return None
 
     def after_step(self, request: Request, plan: RowPlan) -> None:
         """The cache-advance rule: what the row's cache holds after its forward (none by default)."""

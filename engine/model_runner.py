@@ -11,36 +11,17 @@ the bookkeeping (`engine.advance`) never see a store.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 import torch
 
-from engine.batch import Batch
+from engine.batch import Batch, ForwardOutput
 from engine.block_mode import BlockDiffusion
-from engine.dual_graphs import DualStepGraphs
 from engine.masked_mode import MaskedDiffusion
 from engine.mode import DecodingMode
-from engine.models.transformer import DiffusionTransformer
 from engine.slots import Slots
+from engine.uniform_mode import UniformDiffusion
 
 # The decoding modes, by the family table's `Family.mode` (engine/models/registry.py).
-MODES: dict[str, type[DecodingMode]] = {MaskedDiffusion.name: MaskedDiffusion, BlockDiffusion.name: BlockDiffusion}
-
-
-def decoding_mode(name: str, model: DiffusionTransformer, slots: Slots,
-                  dual_graphs: Optional[DualStepGraphs] = None) -> DecodingMode:
-    return MODES[name](model, slots, dual_graphs)
-
-
-@dataclass
-class ForwardOutput:
-    """The forward passes' result for the step's rows, in row order."""
-
-    logits: torch.Tensor  # [B, W, V] float32: the prediction for each block position
-    block_tokens: torch.Tensor  # [B, W] the canvas at each row's block (past the block: what follows it)
-    in_block: torch.Tensor  # [B, W] position inside the row's block
-    positions: torch.Tensor  # [B, W] canvas index of each block position
+MODES: dict[str, type[DecodingMode]] = {mode.name: mode for mode in (MaskedDiffusion, BlockDiffusion, UniformDiffusion)}
 
 
 class ModelRunner:

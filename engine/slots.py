@@ -44,15 +44,25 @@ class Slots:
         self.device = model.device
         self.pad_id = model.special.pad_id
         self.canvas = torch.full((max_batch, 1), self.pad_id, dtype=torch.long, device=self.device)
-        config = model.config
-        self.store = KVStore.empty(config.num_layers, max_batch, model.kv_heads, 2, config.head_dim,
-                                   model.dtype, self.device)
-        self.store.key_mask[:, 0] = True  # a free slot's dummy row still attends to something
+        self.store = self._new_store(model, max_batch)
         self.positions = torch.arange(2, device=self.device)  # 0, 1, ... as wide as the store
         self.knobs = {kind: torch.zeros(max_batch, len(knobs), dtype=_DTYPES[kind], device=self.device)
                       for kind, knobs in _TABLES.items()}
         self.first_conf = torch.zeros(max_batch, 1, device=self.device)  # past a row's block: never read
         self.low_yield = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+
+    def _new_store(self, model: DiffusionTransformer, max_batch: int) -> KVStore:
+        config = model.config
+        store = KVStore.empty(config.num_layers, max_batch, model.kv_heads, 2, config.head_dim, model.dtype,
+                              self.device)
+        store.key_mask[:, 0] = True  # a free slot's dummy row still attends to something
+        return store
+
+    def _admit_store(self, request: Request) -> None:
+        self.store.key_mask[request.slot] = self.positions < request.length
+
+    def _grow_store(self, width: int) -> None:
+        self.store = self.store.grown(width)
 
     def admit(self, request: Request, running: Sequence[Request], blank: int) -> None:
         """Write the request's prompt, its generation positions (`blank`), key mask and knobs into its slot."""
@@ -61,7 +71,7 @@ class Slots:
         prompt = torch.frombuffer(array.array("q", request.prompt_ids), dtype=torch.long)
         self.canvas[slot, :request.prompt_len] = prompt.to(device, non_blocking=True)
         self.canvas[slot, request.prompt_len:request.length] = blank
-        self.store.key_mask[slot] = self.positions < request.length
+        self._admit_store(request)
         params = request.params
         for kind, knobs in _TABLES.items():  # one host-to-device copy per table, once
             values = [device_value(k, getattr(params, k.name)) for k in knobs]
@@ -78,7 +88,7 @@ class Slots:
             grown[:, :self.canvas.shape[1]] = self.canvas
             self.canvas = grown
         if needed + 1 > self.store.width:
-            self.store = self.store.grown(needed + 1)
+            self._grow_store(needed + 1)
             self.positions = torch.arange(self.store.width, device=self.device)
         block_width = max(r.block_length for r in running)
         if block_width > self.first_conf.shape[1]:

@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from engine import DecodeParams, Engine, GenerationResult, StepOutput
+from engine.decoding.knobs import DecodeParamError
 from engine.decoding.types import RequestStats, TokenLogprob
+from engine.errors import RequestError
 from server.energy import EnergyMeter, share_energy
 from server.errors import QueueFull
 from server.metrics import Metrics
@@ -118,6 +120,15 @@ class EngineLoop:
         """RequestError unless the prompt is token ids this model can decode from (any thread)."""
         self.engine.check_prompt(prompt_ids)
 
+    def resolved(self, params: DecodeParams) -> DecodeParams:
+        """`params` with the model's defaults filled in, as the engine will run them (the checkpoint's
+        knobs included: DiffusionGemma's max_denoising_steps); `params` unchanged where they conflict
+        with those defaults, which the engine refuses, naming the field, when they are submitted."""
+        try:
+            return self.engine.default_params(params)
+        except DecodeParamError:
+            return params
+
     def set_chat_template(self, template: str) -> None:
         """Use this Jinja chat template instead of the checkpoint's (`serve --chat-template`)."""
         if self.engine.tokenizer is None:
@@ -127,6 +138,10 @@ class EngineLoop:
     def warm_up(self) -> None:
         """One tiny decode before the loop starts, so the first request pays no first-call costs."""
         params = self.engine.default_params().with_overrides(gen_length=4, block_length=4, steps=4)
+        try:
+            self.engine.validate([0], params)
+        except RequestError:  # a mode whose block is the model's own (uniform noise: its canvas), one step
+            params = self.engine.default_params(DecodeParams(gen_length=1, max_denoising_steps=1))
         self.engine.generate([[0]], params)
         cache = self.engine.prefix_cache
         if cache is not None:  # the warm-up is no request: it neither counts nor stays cached

@@ -1,7 +1,9 @@
 """The optional server cap on what one request may cost in decode steps (`--max-decode-steps`).
 
 A choice holds its row for at most `DecodeParams.max_steps` steps (`decoding.steps`, by default one
-per canvas token; `threshold` one per canvas token whatever `steps` says). A request with
+per canvas token; `threshold` one per canvas token whatever `steps` says; DiffusionGemma
+`max_denoising_steps` a canvas, by default its checkpoint's). The cap reads the knobs as the engine
+resolves them (`EngineLoop.resolved`): a model's own defaults count, not the library's. A request with
 `policy: fixed`, a long `max_tokens` and `n: 16` holds 16 rows for that many steps, cut otherwise
 only by `--request-timeout`. With the cap, a choice that may take more steps is refused before any
 work, with a 400 naming the field that sets its step count.
@@ -28,6 +30,8 @@ def check_decode_steps(params: DecodeParams, body: Union[CompletionRequest, Chat
     bound = POLICIES[params.policy].step_bound  # what bounds the policy's steps (DecodeParams.max_steps)
     if bound == "blocks":
         param = "decoding.max_steps_per_block"
+    elif bound == "canvases" and "max_denoising_steps" in (body.decoding or {}):
+        param = "decoding.max_denoising_steps"
     elif bound == "steps" and "steps" in (body.decoding or {}):
         param = "decoding.steps"
     elif getattr(body, "max_completion_tokens", None) is not None:

@@ -149,7 +149,7 @@ class ServingBase:
         max_tokens = getattr(body, "max_completion_tokens", None)
         max_tokens = body.max_tokens if max_tokens is None else max_tokens
         params = self.params(body, max_tokens or None, max(map(len, prompts)))  # 0: nothing to decode
-        check_decode_steps(params, body, max_tokens, self.settings.max_decode_steps)
+        check_decode_steps(self.loop.resolved(params), body, max_tokens, self.settings.max_decode_steps)
         queue: asyncio.Queue = asyncio.Queue()
         choices, submissions = self._choices(body, prompts, params, max_tokens, queue)
         await self.prepare(body, prompts, params, choices)

@@ -1,16 +1,20 @@
-"""Writing checkpoints in the official LLaDA, Dream and SDAR formats (config fields, names, files)."""
+"""Writing checkpoints in the official LLaDA, Dream, SDAR and DiffusionGemma formats (config fields,
+names, files)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import torch
 from safetensors.torch import save_file
 
+from engine.models.diffusion_gemma import DiffusionGemmaModel
 from engine.models.transformer import DiffusionTransformer
 from engine.models.weight_names import expected_weights
+
+TrainedModel = Union[DiffusionTransformer, DiffusionGemmaModel]
 
 
 def llada_config(d_model: int, n_layers: int, n_heads: int, mlp_hidden: int, vocab_size: int,
@@ -71,6 +75,66 @@ def sdar_config(hidden: int, n_layers: int, n_heads: int, n_kv_heads: int, head_
     }
 
 
+# DiffusionGemma's top-level ids for image tokens: a text-only checkpoint on a vocabulary without them.
+_NO_IMAGE_TOKENS = {"boi_token_id": None, "eoi_token_id": None, "image_token_id": None}
+# The smallest vision tower the config class accepts. DiffusionGemmaConfig always builds one (with
+# `vision_config: null` it builds Gemma 4's default tower); no weights ship for it and the engine
+# refuses image inputs, so it only keeps a Hugging Face load of the config small.
+_PLACEHOLDER_VISION = {
+    "attention_bias": False, "attention_dropout": 0.0, "head_dim": 16, "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 16, "initializer_range": 0.02, "intermediate_size": 32, "max_position_embeddings": 131072,
+    "model_type": "gemma4_vision", "num_attention_heads": 1, "num_hidden_layers": 1, "num_key_value_heads": 1,
+    "patch_size": 4, "pooling_kernel_size": 3, "position_embedding_size": 8, "rms_norm_eps": 1e-06,
+    "rope_parameters": {"rope_theta": 100.0, "rope_type": "axial"}, "standardize": False,
+    "use_clipped_linears": False,
+}
+
+
+def diffusion_gemma_config(hidden: int, layer_types: list[str], n_heads: int, kv_heads: int, head_dim: int,
+                           full_head_dim: int, full_kv_heads: int, intermediate: int, experts: int,
+                           experts_per_token: int, expert_intermediate: int, vocab_size: int, canvas_length: int,
+                           sliding_window: int, eos_id: int, pad_id: int, sliding_rope_theta: float,
+                           max_len: int = 4096) -> dict[str, Any]:
+    """A `DiffusionGemmaConfig` as transformers 5.23 saves it (`save_pretrained`: sorted keys, the full
+    layers' shape in `per_layer_config` with string keys, `canvas_length` at the top level), with these
+    sizes and ids. The full layers keep the class's RoPE (proportional, a quarter of the pairs, θ 1e6);
+    the sliding layers take `sliding_rope_theta`. No bos id: the character tokenizer has none."""
+    full = [str(i) for i, kind in enumerate(layer_types) if kind == "full_attention"]
+    text = {
+        "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": None, "eos_token_id": eos_id,
+        "final_logit_softcapping": 30.0, "head_dim": head_dim, "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": hidden, "initializer_range": 0.02, "intermediate_size": intermediate,
+        "layer_types": list(layer_types), "max_position_embeddings": max_len, "model_type": "diffusion_gemma_text",
+        "moe_intermediate_size": expert_intermediate, "num_attention_heads": n_heads, "num_experts": experts,
+        "num_hidden_layers": len(layer_types), "num_key_value_heads": kv_heads, "pad_token_id": pad_id,
+        "per_layer_config": {i: {"head_dim": full_head_dim, "num_key_value_heads": full_kv_heads} for i in full},
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {
+            "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+            "sliding_attention": {"rope_theta": sliding_rope_theta, "rope_type": "default"},
+        },
+        "sliding_window": sliding_window, "tie_word_embeddings": True, "top_k_experts": experts_per_token,
+        "use_bidirectional_attention": None, "vocab_size": vocab_size,
+    }
+    return {
+        "architectures": ["DiffusionGemmaForBlockDiffusion"], **_NO_IMAGE_TOKENS, "canvas_length": canvas_length,
+        "dtype": "float32", "initializer_range": 0.02, "model_type": "diffusion_gemma", "text_config": text,
+        "tie_word_embeddings": True, "transformers_version": "5.23.0", "vision_config": dict(_PLACEHOLDER_VISION),
+    }
+
+
+def diffusion_gemma_generation_config(eos_id: int, pad_id: int) -> dict[str, Any]:
+    """The released checkpoint's `generation_config.json` field set and values (the library's defaults:
+    tests/fixtures/diffusion_gemma/README.md, section 2.3), with this tokenizer's end and pad ids. Without
+    `eos_token_id` and `pad_token_id` the official loop would not stop at an end token."""
+    return {
+        "confidence_threshold": 0.005, "eos_token_id": [eos_id], "max_denoising_steps": 48, "max_new_tokens": 256,
+        "pad_token_id": pad_id, "return_dict_in_generate": True,
+        "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 0.1},
+        "stability_threshold": 1, "t_max": 0.8, "t_min": 0.4, "transformers_version": "5.23.0",
+    }
+
+
 def generation_config(architecture: str, eos_id: int, mask_id: int) -> dict[str, Any]:
     if architecture == "dream":
         return {"_from_model_config": True, "alg": "entropy", "alg_temp": None, "bos_token_id": eos_id,
@@ -79,7 +143,7 @@ def generation_config(architecture: str, eos_id: int, mask_id: int) -> dict[str,
     return {"_from_model_config": True, "eos_token_id": eos_id}
 
 
-def export_state_dict(model: DiffusionTransformer) -> dict[str, torch.Tensor]:
+def export_state_dict(model: TrainedModel) -> dict[str, torch.Tensor]:
     """Our parameters under the official checkpoint names (fused q|k|v and gate|up split back)."""
     params = dict(model.named_parameters())
     out: dict[str, torch.Tensor] = {}
@@ -92,7 +156,7 @@ def export_state_dict(model: DiffusionTransformer) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_checkpoint(model: DiffusionTransformer, hf_config: dict[str, Any],
+def save_checkpoint(model: TrainedModel, hf_config: dict[str, Any],
                     gen_config: dict[str, Any], dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")

@@ -16,6 +16,9 @@ up to one optimizer step.
 
 `--arch sdar` trains a block-diffusion model instead, with the objective of
 tinymodels/block_objective.py on the same examples, micro-batches, optimizer and schedule.
+`--arch diffusion_gemma` trains a uniform-noise block-diffusion model in DiffusionGemma's format
+with the objective of tinymodels/dg_objective.py (pieces in tinymodels/dg_recipe.py), on the same
+examples, micro-batches and schedule.
 
 Reproducible (seeded; the examples of step s depend only on the seed and s), resumable (a training
 state is saved every `checkpoint_every` steps and on interrupt), with a progress bar showing the loss.
@@ -34,14 +37,24 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from engine.models.diffusion_gemma import DiffusionGemmaModel
 from engine.models.dream import DreamModel
 from engine.models.llada import LLaDAModel
 from engine.models.sdar import SDARModel
 from engine.models.transformer import DiffusionTransformer
 from engine.special_tokens import SpecialTokens
 from tinymodels import char_tokenizer as chars
+from tinymodels import dg_recipe
 from tinymodels.block_objective import block_diffusion_loss, encode_rows
-from tinymodels.formats import dream_config, generation_config, llada_config, save_checkpoint, sdar_config
+from tinymodels.dg_objective import uniform_noise_loss
+from tinymodels.formats import (
+    TrainedModel,
+    dream_config,
+    generation_config,
+    llada_config,
+    save_checkpoint,
+    sdar_config,
+)
 from tinymodels.optim import Optimizer, build_optimizer
 from tinymodels.prompt_forms import prompt_text
 from tinymodels.tasks import Problem, problems
@@ -54,6 +67,8 @@ _STATE_FILE = "train_state.pt"
 
 
 def hf_config_for(config: TrainConfig) -> dict[str, Any]:
+    if config.arch == "diffusion_gemma":
+        return dg_recipe.hf_config(config)
     vocab = len(chars.vocabulary())
     mask_id, end_id = chars.special_id(chars.MASK), chars.special_id(chars.END)
     if config.arch == "llada":
@@ -73,7 +88,9 @@ def hf_config_for(config: TrainConfig) -> dict[str, Any]:
 _MODEL_CLASSES: dict[str, type[DiffusionTransformer]] = {"llada": LLaDAModel, "dream": DreamModel, "sdar": SDARModel}
 
 
-def build_model(config: TrainConfig) -> tuple[DiffusionTransformer, dict[str, Any]]:
+def build_model(config: TrainConfig) -> tuple[TrainedModel, dict[str, Any]]:
+    if config.arch == "diffusion_gemma":
+        return dg_recipe.build_model(config)
     hf = hf_config_for(config)
     cls = _MODEL_CLASSES[config.arch]
     end_id = chars.special_id(chars.END)
@@ -187,6 +204,8 @@ def step_examples(config: TrainConfig, step: int) -> list[Problem]:
 
 
 def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> Optimizer:
+    if isinstance(model, DiffusionGemmaModel):
+        return dg_recipe.make_optimizer(model, config)
     return build_optimizer(model, config.optimizer, config.lr, config.weight_decay)
 
 
@@ -200,7 +219,11 @@ def train_step(model: torch.nn.Module, optimizer: Optimizer, config: TrainConfig
     loss = torch.zeros((), device=device)
     for examples, canvas_length in micro_batches(config, step_examples(config, step), generator):
         plain = (torch.rand(len(examples), generator=generator) < config.plain_prompt_share).tolist()
-        if model.block_causal:  # rows sized by their own responses, not the canvas
+        if isinstance(model, DiffusionGemmaModel):  # rows sized by their own responses, in whole canvases
+            rows = dg_recipe.encode_examples(examples, plain, config.canvas_length)
+            part = uniform_noise_loss(model, rows.to(device), generator, config.self_conditioning_share,
+                                      config.encoder_loss_weight)
+        elif model.block_causal:  # rows sized by their own responses, not the canvas
             ids, maskable = encode_block_examples(examples, plain, config.block_size)
             part = block_diffusion_loss(model, ids.to(device), maskable, config.block_size, generator,
                                         config.gen_length)
@@ -217,9 +240,10 @@ def train_step(model: torch.nn.Module, optimizer: Optimizer, config: TrainConfig
     return loss.item()
 
 
-def _export(model: DiffusionTransformer, hf: dict[str, Any], config: TrainConfig, dest: Path) -> None:
-    save_checkpoint(model, hf, generation_config(config.arch, chars.special_id(chars.END),
-                                                 chars.special_id(chars.MASK)), dest)
+def _export(model: TrainedModel, hf: dict[str, Any], config: TrainConfig, dest: Path) -> None:
+    gen = (dg_recipe.generation_config() if config.arch == "diffusion_gemma"
+           else generation_config(config.arch, chars.special_id(chars.END), chars.special_id(chars.MASK)))
+    save_checkpoint(model, hf, gen, dest)
     chars.write_tokenizer_files(dest)
 
 
@@ -270,12 +294,14 @@ def train(config: TrainConfig, out: Path, resume: bool = False, max_minutes: Opt
         model.load_state_dict(start.state_dict())  # raises on any shape that differs
     model.train()
     started = time.perf_counter() - log["seconds"]
+    cpu_started = time.process_time() - log.get("cpu_seconds", 0.0)
     bar = tqdm(total=config.steps, initial=log["step"], disable=not progress, desc=f"train {config.arch}",
                dynamic_ncols=True)
     recent: list[float] = log.setdefault("unlogged", [])  # losses since the last logged average
 
     def save_state() -> None:
         log["seconds"] = time.perf_counter() - started
+        log["cpu_seconds"] = time.process_time() - cpu_started  # this process's CPU time, every thread
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "log": log}, state_path)
 
     try:

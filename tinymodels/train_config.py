@@ -9,12 +9,14 @@ from typing import Optional
 from tinymodels.tasks import DEFAULT_MIX, check_mix
 
 OPTIMIZERS = ("adamw", "muon")
-ARCHS = ("llada", "dream", "sdar")
+ARCHS = ("llada", "dream", "sdar", "diffusion_gemma")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    arch: str = "llada"  # "llada", "dream" or "sdar" (block diffusion, tinymodels/block_objective.py)
+    # "llada", "dream", "sdar" (block diffusion, tinymodels/block_objective.py) or "diffusion_gemma"
+    # (uniform-noise block diffusion, tinymodels/dg_objective.py)
+    arch: str = "llada"
     # The built-in models' recipe (docs/models.md). Depth mattered more than width: at a similar CPU
     # cost a step, 6 layers of 128 got 67 % of held-out additions right by step 3,880 where 4 layers
     # of 160 got none by step 4,000 (tinymodels/results/train_sweep_gpu.txt).
@@ -58,12 +60,35 @@ class TrainConfig:
     # SDAR: the training block (the block-causal attention's and the mask ratios' unit), written to
     # config.json as the checkpoint's block_size. The masked-diffusion formats ignore it.
     block_size: int = 8
+    # DiffusionGemma (tinymodels/dg_objective.py, docs/models.md). `d_model`, `layers`, `heads`,
+    # `kv_heads` (the sliding layers'), `mlp_hidden` (the dense MLP beside the experts, and the
+    # self-conditioning MLP) and `rope_theta` (the sliding layers') carry over.
+    canvas_length: int = 8
+    sliding_window: int = 32
+    full_every: int = 2  # every second layer is a full-attention layer (the last one always is)
+    full_head_dim: int = 64  # the full layers' head dim; one KV head, values = keys (k_eq_v)
+    experts: int = 4
+    experts_per_token: int = 2
+    expert_hidden: int = 96
+    # Share of examples whose decoder pass is conditioned on a detached first pass's prediction
+    # (the official recipe's self_cond_prob); the rest get no self-conditioning signal.
+    self_conditioning_share: float = 0.5
+    # Weight of the causal encoder's next-token loss on the clean sequence (official default 1.0).
+    encoder_loss_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
             raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if min(self.canvas_length, self.full_every, self.experts, self.expert_hidden, self.full_head_dim) < 1:
+            raise ValueError("canvas_length, full_every, experts, expert_hidden and full_head_dim must be positive")
+        if self.sliding_window < 2:
+            raise ValueError(f"sliding_window must be at least 2, got {self.sliding_window}")
+        if not 1 <= self.experts_per_token <= self.experts:
+            raise ValueError(f"experts_per_token must be in 1..experts, got {self.experts_per_token}")
+        if not 0.0 <= self.self_conditioning_share <= 1.0:
+            raise ValueError(f"self_conditioning_share must be in [0, 1], got {self.self_conditioning_share}")
         if not 1 <= self.micro_batches <= self.batch_size:
             raise ValueError(f"micro_batches must be in 1..batch_size, got {self.micro_batches}")
         if self.long_canvas < self.gen_length:
@@ -75,3 +100,5 @@ class TrainConfig:
         check_mix(self.mix)
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.arch == "diffusion_gemma" and self.optimizer != "adamw":
+            raise ValueError("the diffusion_gemma recipe trains with adamw only (its experts are 3-D weights)")

@@ -27,13 +27,22 @@ GRINDING_EXITS = ("continue", "fill")
 # The block of a request that names none and whose model states none: LLaDA's and Fast-dLLM's (a
 # canvas shorter than it is one block; one-block policies take the whole canvas)
 DEFAULT_BLOCK_LENGTH = 32
+DEFAULT_POLICY = "cai"  # a request's policy where neither it nor its model's family names one
 _UNIT = Float(0.0, 1.0)
 _CAI = ("cai",)
-_MASKED, _BLOCK = ("masked",), ("block",)
+_MASKED, _BLOCK, _UNIFORM = ("masked",), ("block",), ("uniform",)
+# the uniform-noise policies (DiffusionGemma): the official entropy-bound rule and the convergence-aware one
+_DG = ("dg-official", "dg-converge")
 
 
 def _policy_names() -> tuple[str, ...]:
     return _registry().POLICY_NAMES
+
+
+def _uniform() -> Any:
+    from engine.decoding import uniform
+
+    return uniform
 
 
 def _registry() -> Any:
@@ -46,7 +55,8 @@ def _registry() -> Any:
 
 @dataclass(frozen=True)
 class DecodeParams:
-    policy: str = knob("cai", Words(_policy_names), reads=ANY_POLICY)
+    # None: the model's family's default (CAI; DiffusionGemma's official rule: engine/models/registry.py)
+    policy: Optional[str] = knob(None, Words(_policy_names), reads=ANY_POLICY)
     gen_length: int = knob(128, Int(low=1), reads=_CAI)  # CAI: Box 7's L (eta_denominator "generation")
     # None: the model's block (the family table), else DEFAULT_BLOCK_LENGTH, or the canvas for one-block policies
     block_length: Optional[int] = knob(None, Int(low=1))
@@ -101,12 +111,32 @@ class DecodeParams:
     budgets: bool = knob(True, Bool(), reads=_CAI)
     gating: Optional[bool] = knob(None, Bool(), reads=_CAI)  # None: the model's default (on for LLaDA, off for Dream)
     grinding: bool = knob(True, Bool(), reads=_CAI)
-    eta: float = knob(0.015, _UNIT, reads=_CAI)
+    eta: float = knob(0.015, _UNIT, reads=("cai", "dg-converge"))
     eta_denominator: str = knob("generation", Words(ETA_DENOMINATORS), reads=_CAI)
-    patience: int = knob(4, Int(low=1), reads=_CAI)
+    patience: int = knob(4, Int(low=1), reads=("cai", "dg-converge"))
     theta_fb: float = knob(0.40, _UNIT, reads=_CAI)
     grinding_exit: str = knob("continue", Words(GRINDING_EXITS), reads=_CAI)
     min_commit: int = knob(1, Int(0, 1), reads=_CAI)
+    # Uniform-noise diffusion (DiffusionGemma, engine/uniform_mode.py): None takes the checkpoint's
+    # generation_config.json, else the official library defaults (engine.decoding.uniform.OFFICIAL).
+    # A canvas takes at most max_denoising_steps steps at temperature t_max -> t_min; each step keeps the
+    # lowest-entropy samples whose smaller entropies sum to at most entropy_bound; with adaptive_stop a
+    # canvas ends once its argmax has been stable for stability_threshold steps and its mean entropy is
+    # below confidence_threshold.
+    max_denoising_steps: Optional[int] = knob(None, Int(low=1), reads=_DG, modes=_UNIFORM, none=0)
+    entropy_bound: Optional[float] = knob(None, Float(low=0.0, low_open=True), reads=_DG, modes=_UNIFORM,
+                                          none=0.0)
+    t_min: Optional[float] = knob(None, Float(low=0.0, low_open=True), reads=_DG, modes=_UNIFORM, none=0.0)
+    t_max: Optional[float] = knob(None, Float(low=0.0, low_open=True), reads=_DG, modes=_UNIFORM, none=0.0)
+    stability_threshold: Optional[int] = knob(None, Int(low=0), reads=_DG, modes=_UNIFORM, none=0)
+    confidence_threshold: Optional[float] = knob(None, Float(low=0.0, low_open=True), reads=_DG, modes=_UNIFORM,
+                                                 none=0.0)
+    adaptive_stop: bool = knob(True, Bool(), reads=_DG, modes=_UNIFORM)  # off: every canvas takes every step
+    # dg-converge: a position whose sample has not changed for settle_steps steps is kept (0: off); the
+    # confidence threshold relaxes by canvas_relax per canvas, over the paper's 4 block tiers (Box 4);
+    # the canvas ends when its accepted set has not grown by eta x canvas for `patience` steps (Box 7)
+    settle_steps: int = knob(3, Int(low=0), reads=("dg-converge",), modes=_UNIFORM)
+    canvas_relax: float = knob(0.5, Float(low=0.0), reads=("dg-converge",), modes=_UNIFORM)
 
     def __post_init__(self) -> None:
         K.check_fields(self)
@@ -150,7 +180,9 @@ class DecodeParams:
         policies commit what is left at a block's last step; one step per canvas token for a policy
         that commits at least one a step (`threshold`); `max_steps_per_block` a block for one whose
         edits may mask tokens again (`block-edit`; a prompt ending inside a block adds one block)."""
-        bound = _registry().POLICIES[self.policy].step_bound
+        bound = "steps" if self.policy is None else _registry().POLICIES[self.policy].step_bound
+        if bound == "canvases":
+            return self.num_blocks * (self.max_denoising_steps or _uniform().OFFICIAL["max_denoising_steps"])
         if bound == "blocks":
             return (self.num_blocks + 1) * self.max_steps_per_block
         return self.gen_length if bound == "tokens" else self.total_steps
@@ -176,10 +208,13 @@ class DecodeParams:
     def with_overrides(self, **overrides: Any) -> DecodeParams:
         return replace(self, **overrides)
 
-    def with_model_defaults(self, block_length: Optional[int], cache: str, gating: bool) -> DecodeParams:
+    def with_model_defaults(self, block_length: Optional[int], cache: str, gating: bool,
+                            policy: str = DEFAULT_POLICY) -> DecodeParams:
         """The fields left to the model filled with its defaults (its family's: engine/models/registry.py):
-        its block (None: the canvas decides), its cache (a cache needs the block-causal mask and no
-        guidance: otherwise "none"), CAI's gating; then the steps (one per canvas position)."""
+        its policy, its block (None: the canvas decides), its cache (a cache needs the block-causal mask
+        and no guidance: otherwise "none"), CAI's gating; then the steps (one per canvas position)."""
+        if self.policy is None:
+            return replace(self, policy=policy).with_model_defaults(block_length, cache, gating, policy)
         updates: dict[str, Any] = {}
         block = self.block_length or block_length or self.effective_block_length
         if self.block_length is None:

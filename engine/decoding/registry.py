@@ -21,10 +21,12 @@ from typing import Any, Optional, Protocol
 import torch
 
 from engine.decoding import policies as P
+from engine.decoding import uniform as U
 from engine.decoding.sampling import CONF_MARGIN, CONF_NEG_ENTROPY, CONF_PROB
 
-MASKED, BLOCK = "masked", "block"  # the decoding modes (engine/mode.py)
-EVERY_MODE = frozenset({MASKED, BLOCK})
+MASKED, BLOCK, UNIFORM = "masked", "block", "uniform"  # the decoding modes (engine/mode.py)
+ALL_MODES = frozenset({MASKED, BLOCK, UNIFORM})
+EVERY_MODE = frozenset({MASKED, BLOCK})  # the masked-token modes: a policy's default
 
 
 class Row(Protocol):
@@ -86,6 +88,7 @@ class Decision:
 
 
 DecideFn = Callable[[PolicyInputs], Decision]
+CanvasFn = Callable[[U.CanvasInputs], U.CanvasDecision]  # a uniform-noise policy (engine/decoding/uniform.py)
 
 # -------------------------------------------------------------------------------- decide functions
 
@@ -206,7 +209,8 @@ def edit_block_ends(row: Row, counts: StepCounts, undecided_before: int) -> bool
 
 @dataclass(frozen=True)
 class Policy:
-    decide: DecideFn
+    decide: Optional[DecideFn] = None  # a masked-token mode's decision (None: a uniform-noise policy)
+    canvas: Optional[CanvasFn] = None  # a uniform-noise policy's decision (engine/uniform_mode.py)
     conf_kind: int = CONF_PROB
     quota: Callable[[Row], int] = no_quota  # host: the count the decide function reads this step
     block_ends: Callable[[Row, StepCounts, int], bool] = nothing_left
@@ -217,7 +221,8 @@ class Policy:
     modes: frozenset[str] = field(default=EVERY_MODE)
     one_block: bool = False  # default block: the whole canvas
     # what bounds its forwards: "steps" (a block's last step commits what is left), "tokens" (at
-    # least one token a step), "blocks" (`max_steps_per_block` a block)
+    # least one token a step), "blocks" (`max_steps_per_block` a block), "canvases"
+    # (`max_denoising_steps` a canvas)
     step_bound: str = "steps"
 
 
@@ -237,6 +242,9 @@ POLICIES: dict[str, Policy] = {
     "block-sequential": Policy(decide_sequential, quota=block_quota),
     "block-edit": Policy(decide_block_edit, quota=transfer_quota, block_ends=edit_block_ends, edits=True,
                          modes=frozenset({BLOCK}), step_bound="blocks"),
+    # uniform-noise diffusion (DiffusionGemma): the official entropy-bound rule; the convergence-aware one
+    "dg-official": Policy(canvas=U.decide_official, modes=frozenset({UNIFORM}), step_bound="canvases"),
+    "dg-converge": Policy(canvas=U.decide_converge, modes=frozenset({UNIFORM}), step_bound="canvases"),
 }
 POLICY_NAMES = tuple(POLICIES)  # the `policy` knob's words: its slot-table column holds the index
 
@@ -255,7 +263,9 @@ def decide(x: PolicyInputs, present: Collection[str]) -> Decision:
     commits its first position alone."""
     by_fn: dict[DecideFn, list[str]] = {}
     for name in sorted(present):
-        by_fn.setdefault(POLICIES[name].decide, []).append(name)
+        fn = POLICIES[name].decide
+        assert fn is not None, f"{name} is a uniform-noise policy (decide_canvas)"
+        by_fn.setdefault(fn, []).append(name)
     zeros = torch.zeros_like(x.candidates)
     out = Decision(zeros, forced=zeros, edit=zeros, tokens=x.x0, first_conf=x.first_conf, low_yield=x.low_yield,
                    grinding_exit=torch.zeros_like(x.step, dtype=torch.bool))
@@ -275,4 +285,24 @@ def decide(x: PolicyInputs, present: Collection[str]) -> Decision:
         first = torch.zeros_like(x.candidates)
         first[:, 0] = True
         out.commit = torch.where(x.first_only[:, None], first & x.candidates, out.commit)
+    return out
+
+
+def decide_canvas(x: U.CanvasInputs, present: Collection[str]) -> U.CanvasDecision:
+    """Each present uniform-noise policy once; per row, the decision of the row's policy (the row
+    state of a policy that keeps none passes through)."""
+    out = U.CanvasDecision(x.canvas_in, torch.zeros_like(x.canvas_in, dtype=torch.bool),
+                           torch.zeros_like(x.stable, dtype=torch.bool), x.settled, x.flat_steps,
+                           torch.zeros_like(x.stable, dtype=torch.bool))
+    names = sorted(present)
+    for name in names:
+        fn = POLICIES[name].canvas
+        assert fn is not None, f"{name} is not a uniform-noise policy"
+        decision = fn(x)
+        mine = policy_rows(x.knobs["policy"], [name]) if len(names) > 1 else None
+        for field_name in ("next_canvas", "accepted", "done", "settled", "flat_steps", "grinding_exit"):
+            value = getattr(decision, field_name)
+            if value is not None:
+                setattr(out, field_name, value if mine is None else torch.where(
+                    mine if value.dim() == 1 else mine[:, None], value, getattr(out, field_name)))
     return out

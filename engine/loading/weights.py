@@ -185,5 +185,7 @@ def load_model(path: Union[str, Path], device: Union[str, torch.device] = "cpu",
     model.requires_grad_(False)
     model.eval()
     model.quantization, model.quantized_head = quantization, quantize_head
+    # the checkpoint's decoding defaults (a uniform-noise model's knobs: engine/uniform_mode.py)
+    model.generation_config = dict(checkpoint.generation_config or {})
     model.set_attention_kernel(*select_attention(target_device, target_dtype, use_flash_attn))
     return model

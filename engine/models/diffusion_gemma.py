@@ -175,9 +175,11 @@ class DiffusionGemmaModel(nn.Module):
         """An empty cache for `slots` rows whose full layers hold `width` positions."""
         return Gemma4Cache.empty(self.gemma, slots, width, self.dtype, self.device)
 
-    def embed_scale(self) -> float:
-        """√hidden as the official float32 buffer, cast to the weight dtype at use (so rounded in bf16)."""
-        return torch.tensor(math.sqrt(self.config.hidden_size), dtype=torch.float32).to(self.dtype).item()
+    def embed_scale(self) -> torch.Tensor:
+        """√hidden as the official float32 buffer, cast to the weight dtype at use (so rounded in bf16):
+        a 0-d tensor made on the device, never read back to the host."""
+        scale = torch.tensor(math.sqrt(self.config.hidden_size), dtype=torch.float32, device=self.device)
+        return scale.to(self.dtype)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed.forward(ids) * self.embed_scale()

@@ -86,6 +86,13 @@ class Gemma4Cache:
         grown[:, :old] = self.attendable
         self.attendable = grown
 
+    def move_row(self, src: int, dst: int) -> None:
+        """Slot `dst` takes slot `src`'s whole cache (a slot compacted at a release: engine.slots)."""
+        for store in self.keys + self.values:
+            store[dst] = store[src]
+        self.attendable[dst] = self.attendable[src]
+        self.length[dst] = self.length[src]
+
     def reset(self, rows: torch.Tensor) -> None:
         """Empty these slots (a new request takes them)."""
         self.length[rows] = 0

@@ -25,6 +25,9 @@ ModelClass = Union[type[DiffusionTransformer], type[BlockDiffusionTransformer], 
 
 # The official block decoders' block (LLaDA2's `generate()`) where a checkpoint states none.
 OFFICIAL_BLOCK = 32
+# DiffusionGemma's canvas where config.json states none (DiffusionGemmaConfig's default; the model's
+# `canvas_length` wins)
+DG_CANVAS_LENGTH = 256
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class Family:
     # The block of a request that names none, when the checkpoint states no trained block (SDAR's
     # `block_size` wins); None: the request's canvas decides (DecodeParams.effective_block_length).
     default_block: Optional[int] = None
+    default_policy: str = "cai"  # the policy of a request that names none (engine/decoding/registry.py)
 
 
 FAMILIES: dict[str, Family] = {  # by ModelConfig.architecture
@@ -53,7 +57,8 @@ FAMILIES: dict[str, Family] = {  # by ModelConfig.architecture
     "llada2": Family(LLaDA2Model, ("LLaDA2MoeModelLM",), ("llada2_moe",), mode="block", default_cache="exact",
                      gating=True, default_block=OFFICIAL_BLOCK),
     "diffusion_gemma": Family(DiffusionGemmaModel, ("DiffusionGemmaForBlockDiffusion",), ("diffusion_gemma",),
-                              mode="uniform", default_cache="exact", gating=False),
+                              mode="uniform", default_cache="exact", gating=False,
+                              default_block=DG_CANVAS_LENGTH, default_policy="dg-official"),
 }
 
 

@@ -18,7 +18,7 @@ def add_parser(sub: Any) -> None:
     recipe = TrainConfig()
     train_flags: dict[str, tuple[type, str]] = {
         "arch": (str, "checkpoint format"), "d_model": (int, "hidden size"), "layers": (int, "decoder layers"),
-        "heads": (int, "attention heads"), "mlp_hidden": (int, "MLP hidden size"),
+        "heads": (int, "attention heads"), "mlp_hidden": (int, "MLP hidden size (diffusion_gemma: the dense MLP's)"),
         "rope_theta": (float, "RoPE base (the 8B models' bases are for head dims of 128)"),
         "batch_size": (int, "examples a step"), "steps": (int, "optimizer steps"), "lr": (float, "peak learning rate"),
         "warmup": (int, "warm-up steps"), "weight_decay": (float, "decoupled weight decay"),
@@ -32,6 +32,15 @@ def add_parser(sub: Any) -> None:
         "plain_prompt_share": (float, "share of examples prompted with the bare problem text, not the chat template"),
         "init_from": (str, "start from this checkpoint's weights (same shapes) instead of random ones"),
         "block_size": (int, "sdar: the training block"),
+        "canvas_length": (int, "diffusion_gemma: the canvas (block) the decoder denoises"),
+        "sliding_window": (int, "diffusion_gemma: the sliding layers' window"),
+        "full_every": (int, "diffusion_gemma: every N-th layer is a full-attention layer (the last always is)"),
+        "full_head_dim": (int, "diffusion_gemma: the full layers' head dim (one KV head, values = keys)"),
+        "experts": (int, "diffusion_gemma: routed experts per layer"),
+        "experts_per_token": (int, "diffusion_gemma: experts each token is routed to"),
+        "expert_hidden": (int, "diffusion_gemma: each expert's hidden size"),
+        "self_conditioning_share": (float, "diffusion_gemma: share of examples trained with self-conditioning"),
+        "encoder_loss_weight": (float, "diffusion_gemma: weight of the encoder's next-token loss"),
     }
     choices = {"arch": ARCHS, "optimizer": OPTIMIZERS}
     tr.add_argument("--out", required=True, help="the checkpoint directory to write")

@@ -1,7 +1,6 @@
 """DiffusionGemma's checkpoint handling around the parity fixture: the loader's name/shape checks,
-the config fields it refuses, both config spellings of the full layers' shapes, `inspect`, the
-engine's clear refusal to serve the family before its decoding mode exists, and the cache's
-growth and slot reuse."""
+the config fields it refuses, both config spellings of the full layers' shapes, `inspect`, and the
+cache's growth and slot reuse (the engine's uniform-noise mode serving it: tests/engine/test_uniform_engine.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import CheckpointError, Engine, load_model
+from engine import CheckpointError, load_model
 from engine.inspect import describe_checkpoint
 from engine.loading.safetensors_stream import read_header
 from engine.models.diffusion_gemma import DiffusionGemmaModel
@@ -108,11 +107,6 @@ def test_constructor_key_spelling_of_the_full_layers(copy, source) -> None:
     _edit_config(copy, respell)
     assert DiffusionGemmaModel.parse_config(json.loads((copy / "config.json").read_text())) == \
         DiffusionGemmaModel.parse_config(json.loads((source / "config.json").read_text()))
-
-
-def test_engine_refuses_to_serve_it_clearly(source) -> None:
-    with pytest.raises(CheckpointError, match="cannot be served yet"):
-        Engine.from_model(load_model(source))
 
 
 def test_cache_growth_and_slot_reuse(source) -> None:

@@ -159,10 +159,10 @@ def test_the_running_rows_hold_slots_0_to_n_in_row_order(llada_model):
 def test_the_decide_step_commits_what_cai_step_decides(llada_model):
     """Through the slot tables and the knob columns, at any block and step, with any stored s_i and
     counter, the engine's decide step commits what `cai_step` decides from the requests' knobs."""
+    from engine.batch import ForwardOutput
     from engine.decide import decide_step
     from engine.decoding import policies as P
     from engine.decoding.sampling import confidence, predict
-    from engine.model_runner import ForwardOutput
 
     params = [DecodeParams(policy="cai", gen_length=64, block_length=16, steps=64),
               DecodeParams(policy="cai", gen_length=128, block_length=16, steps=64, gating=True,

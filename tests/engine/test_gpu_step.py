@@ -252,3 +252,63 @@ def test_tiny_cpu_run_prints_the_block_rows(capsys, fixtures: Path):
         for column in ("step_ms", "tok_per_s", "mem_floor_ms", "comp_floor_ms", "floor_ms", "step/floor"):
             assert math.isfinite(float(cells[column])) and float(cells[column]) > 0, (key, column)
     assert seen == {(m, b, k) for m in ("sdar", "llada2") for b in (1, 2) for k in fed_per_row}
+
+
+# ------------------------------------------------------------------------------ DiffusionGemma
+
+dg_step = sys.modules["dg_step"]
+
+
+def test_dg_real_shapes_are_the_published_26b_a4b(tmp_path: Path):
+    """bench/dg_step.py's REAL_CONFIG as `cai-dllm inspect` reads it: the published 25.2B parameters,
+    3.8B active (its model card's figures, rounded), and the 5:1 layer pattern."""
+    from engine.inspect import describe_checkpoint
+
+    (tmp_path / "config.json").write_text(json.dumps(dg_step.REAL_CONFIG))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": list(dg_step.SPECIAL.eos_ids),
+                                                                 "pad_token_id": dg_step.SPECIAL.pad_id}))
+    report = describe_checkpoint(tmp_path)
+    assert abs(report["parameters"] - 25.2e9) < 0.1e9 and abs(report["active_parameters"] - 3.8e9) < 0.1e9
+    assert report["layer_pattern"].startswith("SSSSSF x5") and report["canvas_length"] == 256
+    # keys and values of 5 full layers x 2 KV heads x 512, bf16, per cached position
+    assert report["kv_cache"].startswith(f"{5 * 2 * 2 * 512 * 2 / 1e3:.1f} kB per cached position")
+    assert report["weights"]["status"].startswith("not loadable")
+
+
+def test_dg_step_flops_and_bytes_by_hand():
+    # 1 layer of each kind would hide the sliding cap: use the tiny dims, then count one denoise step by hand
+    dims = dg_step.DgDims(vocab=32, hidden=8, heads=2, elem_bytes=2, layers=(("sliding_attention", 1, 4),
+                          ("full_attention", 1, 8)), retained=3, window=4, layer_dense=100, expert=10,
+                          experts_per_token=2, self_conditioning=20)
+    denoise = dg_step.dg_step_shape(dg_step.DENOISE, batch=1, prompt_len=6, canvas=4)
+    # tokens 4 x 2 x (100 + 2 x 10) + head 2 x 2 x 32 x 8 x 4 + sc 2 x 20 x 4 + attention 4 x 2 heads x
+    # (4 wide x 4 queries x (3 retained + 4) + 8 wide x 4 x (6 + 4))
+    assert dg_step.dg_step_flops(dims, denoise) == 960 + 4096 + 160 + 4 * 2 * (4 * 4 * 7 + 8 * 4 * 10)
+    # weights 100 + 5 touched experts x 10 + sc 20 + head twice 2 x 256 + 4 rows of 8; kv (k, v) x (3 x 4 + 6 x 8)
+    assert dg_step.dg_step_bytes(dims, denoise, 5) == (100 + 50 + 20 + 512 + 32 + 2 * (12 + 48)) * 2
+    next_ = dg_step.dg_step_shape(dg_step.NEXT, batch=1, prompt_len=6, canvas=4)
+    assert (next_.cached, next_.encoded, next_.fed) == (6, 4, 8)
+    # causal queries 7..10 see min(cached + i + 1, window 4) sliding keys, cached + i + 1 full keys
+    assert dg_step._encoder_keys("sliding_attention", dims, 6, 4) == 16
+    assert dg_step._encoder_keys("full_attention", dims, 6, 4) == 7 + 8 + 9 + 10
+
+
+def test_tiny_cpu_run_prints_the_dg_rows(capsys):
+    gpu_step.main(["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--prompt-len", "16",
+                   "--models", "dg", "--batches", "1", "2", "--repeats", "1", "--cached-steps", "1",
+                   "--copy-mib", "16", "--matmul-n", "128", "--threads", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert not [line for line in lines if "warning" in line]  # the engine fed what the floor counts
+    assert len([line for line in lines if "routed experts touched per layer and pass" in line]) == 2 * 3
+    header, *rows = [line.split() for line in lines if not line.startswith("#")]
+    canvas = dg_step.TINY_CANVAS
+    fed_per_row = {"prefill": 16 + canvas, "denoise": canvas, "next": 2 * canvas}
+    seen = set()
+    for row in rows:
+        cells = dict(zip(header, row, strict=True))
+        key = (cells["model"], int(cells["batch"]), cells["step"])
+        seen.add(key)
+        assert cells["cache"] == "exact" and int(cells["fed_tok"]) == key[1] * fed_per_row[key[2]], key
+        for column in ("step_ms", "tok_per_s", "mem_floor_ms", "comp_floor_ms", "floor_ms", "step/floor"):
+            assert math.isfinite(float(cells[column])) and float(cells[column]) > 0, (key, column)
+    assert seen == {("dg", b, k) for b in (1, 2) for k in fed_per_row}

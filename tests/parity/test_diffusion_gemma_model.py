@@ -136,7 +136,7 @@ def test_encoder_prefill(model, ref, info) -> None:
 
 def test_self_conditioning_module(model, ref) -> None:
     _close(model.embed_tokens(ref["dec_canvas_A"]), ref["sc_inputs_embeds"], 0)
-    assert model.embed_scale() == ref["embed_scale"].item()
+    assert model.embed_scale().item() == ref["embed_scale"].item()
     _close(model.soft_embeddings(ref["sc_logits"]), ref["sc_soft_embeddings"], STATE_ATOL)
     _close(model.self_conditioning(ref["sc_inputs_embeds"], ref["sc_soft_embeddings"]), ref["sc_out"], STATE_ATOL)
     zero = torch.zeros_like(ref["sc_soft_embeddings"])

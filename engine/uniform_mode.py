@@ -1,0 +1,189 @@
+"""Uniform-noise block diffusion (DiffusionGemma): no mask token. A row's generation is a sequence of
+canvases of the model's `canvas_length` (CL) tokens; each starts as uniform random ids and every
+step re-samples all of it, until its policy (engine/decoding/uniform.py) says it is done or it has
+taken `max_denoising_steps` steps; then its argmax canvas is committed, whole.
+
+Each step, for every row, one forward (`canvas`):
+- at a canvas's first step, the causal encoder pass first writes into the row's cache the tokens it
+  has not encoded yet (the prompt, or the canvas committed last), as the official loop encodes
+  before each canvas (the last committed canvas is never encoded), and the row draws its initial
+  canvas; rows encoding as many tokens share an encoder pass (no padding: a row's numbers do not
+  depend on its batch-mates);
+- the decoder over the row's noisy canvas against its cache, self-conditioned on the previous
+  step's soft embeddings (none at a canvas's first step).
+The decide step (`decide`, batched over the rows) tempers the logits (T from t_max towards t_min),
+samples every position and draws renoise tokens from the row's own generator (`engine.decoding.
+draws`: the one per-row loop, since torch has no batched per-row generator), runs the rows'
+policies, keeps the canvas state in the slots (`engine.uniform_slots`) and commits a done canvas's
+argmax into the slot's canvas. Its summary is the shared one (`engine.summary`): a canvas is
+undecided until committed, so a row streams whole canvases. After an end token in a committed canvas
+nothing more is generated (the official loop pads it out).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from engine import summary
+from engine.batch import Batch, ForwardOutput, RowPlan, StepDecision
+from engine.decoding import uniform as U
+from engine.decoding.params import DecodeParams
+from engine.decoding.registry import decide_canvas
+from engine.decoding.sampling import token_logprobs
+from engine.mode import DecodingMode, ForwardFn
+from engine.request import Geometry, Request
+from engine.slots import RowTables
+from engine.uniform_slots import UniformSlots
+
+CANVAS = "canvas"
+BLANK = -1  # what a canvas not yet committed reads in the slot's canvas (never a token id, never fed)
+_SAMPLING_KNOBS = ("temperature", "top_k", "top_p", "min_p")
+
+
+class UniformDiffusion(DecodingMode):
+    name = "uniform"
+    caches = ("exact",)
+    slots_class = UniformSlots
+    confidence_bands = False
+    slots: UniformSlots
+
+    def __init__(self, model: Any, slots: UniformSlots, dual_graphs: Any = None) -> None:
+        super().__init__(model, slots, dual_graphs)
+        self.mask_id = self.blank = BLANK
+        self.canvas_length: int = model.canvas_length
+        # the checkpoint's generation_config.json, then the official library defaults
+        generation = getattr(model, "generation_config", None) or {}
+        sampler = generation.get("sampler_config") or {}
+        self.defaults = {name: generation.get(name, default) for name, default in U.OFFICIAL.items()}
+        self.defaults["entropy_bound"] = sampler.get("entropy_bound", U.OFFICIAL["entropy_bound"])
+        # a checkpoint that disables the adaptive stop (a threshold set to null) disables it by default
+        self.adaptive_default = all(name not in generation or generation[name] is not None
+                                    for name in ("stability_threshold", "confidence_threshold"))
+        for name, value in self.defaults.items():
+            if value is None:
+                self.defaults[name] = U.OFFICIAL[name]
+
+    @property
+    def forwards(self) -> dict[str, ForwardFn]:
+        return {CANVAS: self._canvas}
+
+    def with_defaults(self, params: DecodeParams) -> DecodeParams:
+        unset = {name: value for name, value in self.defaults.items() if getattr(params, name) is None}
+        if not self.adaptive_default and params.adaptive_stop:
+            unset["adaptive_stop"] = False
+        return params.with_overrides(**unset) if unset else params
+
+    def geometry(self, prompt_len: int, params: DecodeParams) -> Geometry:
+        length = self.canvas_length
+        return Geometry(prompt_len, prompt_len + -(-params.gen_length // length) * length, length)
+
+    def check_rules(self, params: DecodeParams) -> None:
+        if params.block_length != self.canvas_length:
+            self.refuse("block_length", f"a canvas is the model's canvas_length ({self.canvas_length}), got "
+                                        f"block_length={params.block_length}")
+        for name in _SAMPLING_KNOBS:
+            if getattr(params, name) not in (None, 0, 0.0):
+                self.refuse(name, f"{name} does not apply: every position is sampled at the temperature that "
+                                  f"t_max and t_min set")
+        if params.t_max is not None and params.t_min is not None and params.t_max <= params.t_min:
+            self.refuse("t_max", f"t_max ({params.t_max}) must be above t_min ({params.t_min})")
+
+    def plan(self, request: Request) -> RowPlan:
+        """The canvas, after the tokens to encode at a canvas's first step."""
+        encoded = 0 if request.step else request.prompt_len if request.block == 0 else self.canvas_length
+        return RowPlan(CANVAS, self.canvas_length + encoded, (CANVAS,))
+
+    def ends_inside_block(self, request: Request, end_committed: int) -> bool:
+        """A committed canvas with an end token ends the row there."""
+        return request.params.stops_at_end
+
+    # ---------------------------------------------------------------------------------- forwards
+
+    def _encode_and_draw(self, rows: Batch, starting: list[int]) -> None:
+        """The encoder pass of the rows at a canvas's first step (by encoded length), their initial
+        canvases and their canvas state reset."""
+        slots, requests, length = self.slots, rows.requests, self.canvas_length
+        groups: dict[int, list[Request]] = {}
+        for b in starting:
+            r = requests[b]
+            groups.setdefault(r.prompt_len if r.block == 0 else length, []).append(r)
+        for fed, group in groups.items():
+            start = torch.tensor([0 if r.block == 0 else r.block_start - length for r in group])
+            at = torch.tensor([r.slot for r in group]).to(slots.device, non_blocking=True)
+            columns = start.to(slots.device, non_blocking=True)[:, None] + slots.positions[:fed]
+            self.model.encode(slots.canvas[at[:, None], columns], slots.store, rows=at,
+                              width=max(r.block_start for r in group))
+        fresh = [requests[b] for b in starting]
+        at = torch.tensor([r.slot for r in fresh]).to(slots.device, non_blocking=True)
+        draws = [slots.draws[r.slot] for r in fresh]
+        slots.noisy[at] = torch.cat([d.canvas((1, length)) for d in draws if d is not None]).to(slots.device)
+        for state in (slots.stable, slots.settled, slots.accepted, slots.low_yield):
+            state[at] = 0
+
+    def _canvas(self, rows: Batch, width: int) -> torch.Tensor:
+        """Logits [B, CL, V] of each row's noisy canvas against its cache."""
+        slots, requests = self.slots, rows.requests
+        starting = [b for b, r in enumerate(requests) if r.step == 0]
+        if starting:
+            self._encode_and_draw(rows, starting)
+        soft: Optional[torch.Tensor] = None
+        if len(starting) < len(requests):  # a zero signal is exactly no self-conditioning
+            soft = torch.where((rows.step > 0)[:, None, None], slots.soft[rows.slots], 0)
+        return self.model.decode(slots.noisy[rows.slots], slots.store, rows=rows.slots, self_conditioning=soft,
+                                 width=max(r.block_start for r in requests) + self.canvas_length)
+
+    # ------------------------------------------------------------------------------- decide step
+
+    def decide(self, batch: Batch, rows: RowTables, out: ForwardOutput, end_ids: torch.Tensor) -> StepDecision:
+        """Sample, accept, stop and commit for every row (module docstring)."""
+        slots, at = self.slots, batch.slots
+        knobs = rows.knobs
+        scaled = out.logits / U.temperature(batch.step, knobs)[:, None, None]
+        probabilities = scaled.softmax(dim=-1)
+        sampled, renoise = [], []
+        for b, r in enumerate(batch.requests):  # each row from its own generator (module docstring)
+            draws = slots.draws[r.slot]
+            assert draws is not None
+            sampled.append(draws.samples(probabilities[b:b + 1]))
+            renoise.append(draws.renoise((1, self.canvas_length)))
+        argmax = scaled.argmax(dim=-1)
+        later = batch.step > 0
+        same = (argmax == slots.argmax[at]).all(dim=-1) & later
+        stable = torch.where(same, slots.stable[at] + 1, 0)
+        x = U.CanvasInputs(entropy=U.entropy(scaled),
+                           canvas_in=slots.noisy[at], sampled=torch.cat(sampled).to(at.device),
+                           renoise=torch.cat(renoise).to(at.device), stable=stable, canvas_index=batch.block,
+                           knobs=knobs, settled=slots.settled[at], accepted_before=slots.accepted[at],
+                           flat_steps=rows.low_yield)
+        d = decide_canvas(x, batch.policies)
+        capped = batch.step + 1 >= batch.steps_per_block
+        done = d.done | capped
+        slots.noisy[at] = d.next_canvas
+        slots.argmax[at] = argmax
+        slots.stable[at] = stable
+        slots.soft[at] = self.model.soft_embeddings(scaled)
+        slots.accepted[at] = d.accepted.sum(dim=-1)
+        if d.settled is not None and d.flat_steps is not None:
+            slots.settled[at] = d.settled
+            slots.low_yield[at] = d.flat_steps
+        return StepDecision(torch.where(done[:, None], argmax, BLANK), None, None,
+                            self._summary(batch, out, argmax, done, capped & ~d.done, d.grinding_exit, end_ids))
+
+    def _summary(self, batch: Batch, out: ForwardOutput, argmax: torch.Tensor, done: torch.Tensor,
+                 forced: torch.Tensor, grinding_exit: Optional[torch.Tensor], end_ids: torch.Tensor) -> torch.Tensor:
+        """The shared summary: a committed canvas is decided at once, an open one not at all."""
+        width = argmax.shape[1]
+        position = torch.arange(width, device=argmax.device)
+        committed = done[:, None] & out.in_block
+        tokens = torch.where(committed, argmax, BLANK)
+        is_end = torch.isin(tokens, end_ids) & committed
+        none = torch.zeros_like(batch.step)
+        counts = [committed.sum(dim=1), (~committed & out.in_block).sum(dim=1),
+                  torch.where(forced, committed.sum(dim=1), 0), none, none,
+                  none if grinding_exit is None else (grinding_exit & done).long(),
+                  torch.where(is_end, position, width).amin(dim=1), torch.where(done, width, 0), none,
+                  is_end.sum(dim=1)]
+        logprobs = token_logprobs(out.logits, argmax, batch.logprob_k) if batch.logprob_k >= 0 else None
+        return summary.encode(counts, tokens, logprobs)
