@@ -17,6 +17,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from engine.host_copy import to_device
 from engine.request import Request
 
 
@@ -120,7 +121,7 @@ class Batch:
             at_block_start |= r.step == 0
             any_first_only |= first_only
         fields = torch.frombuffer(flat, dtype=torch.long).view(len(requests), len(STEP_FIELDS))
-        columns = dict(zip(STEP_FIELDS, fields.to(device, non_blocking=True).unbind(1), strict=True))
+        columns = dict(zip(STEP_FIELDS, to_device(fields, device).unbind(1), strict=True))
         return cls(requests=requests, plans=plans, slots=columns.pop("slot"), **columns, width=width,
                    policies=frozenset(policies), sampled=tuple(sampled), max_top_k=max_top_k, any_top_p=any_top_p,
                    any_min_p=any_min_p, logprob_k=logprob_k, at_block_start=at_block_start,
@@ -129,7 +130,7 @@ class Batch:
     def rows(self, index: list[int]) -> Batch:
         """These rows alone, in this order: one forward's rows, their per-row tensors gathered (the
         host facts stay the step's: its widest block is the width of every forward's logits)."""
-        at = torch.tensor(index).to(self.slots.device, non_blocking=True)
+        at = to_device(torch.tensor(index), self.slots.device)
         requests = [self.requests[b] for b in index]
         gathered = {name: getattr(self, name)[at] for name in _ROW_TENSORS}
         return replace(self, requests=requests, plans=[self.plans[b] for b in index], span=_span(requests), **gathered)

@@ -18,8 +18,3 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
-
-
-def tensor_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small list of host values as a tensor on `device` (to_device's copy)."""
-    return to_device(torch.tensor(values, dtype=dtype), device)

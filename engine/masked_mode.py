@@ -21,6 +21,7 @@ import torch
 from engine.batch import Batch, RowPlan
 from engine.decoding.params import DecodeParams
 from engine.dual_graphs import DualStepGraphs
+from engine.host_copy import to_device
 from engine.mode import DecodingMode, ForwardFn
 from engine.models.kv_cache import CacheWrite
 from engine.models.transformer import DiffusionTransformer
@@ -77,7 +78,7 @@ class MaskedDiffusion(DecodingMode):
             at = torch.where(p < rows.block_length[:, None], at, 0)  # past a narrower block: never read
         guided = [b for b, r in enumerate(requests) if r.params.cfg_scale > 0]
         if guided:  # LLaDA classifier-free guidance: the same canvas with the prompt masked
-            index = torch.tensor(guided).to(slots.device, non_blocking=True)
+            index = to_device(torch.tensor(guided), slots.device)
             in_prompt = slots.positions[None, :length] < rows.prompt_len[index, None]
             ids = torch.cat([ids, torch.where(in_prompt, self.mask_id, ids[index])])
             key_mask = torch.cat([key_mask, key_mask[index]])
@@ -93,7 +94,7 @@ class MaskedDiffusion(DecodingMode):
             return logits
         n = len(requests)
         scale = torch.tensor([requests[b].params.cfg_scale for b in guided], dtype=model.dtype)
-        scale = scale.to(slots.device, non_blocking=True)[:, None, None]
+        scale = to_device(scale, slots.device)[:, None, None]
         conditional, unconditional = logits[:n].clone(), logits[n:]
         conditional[index] = unconditional + (scale + 1) * (conditional[index] - unconditional)
         return conditional

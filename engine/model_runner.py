@@ -15,6 +15,7 @@ import torch
 
 from engine.batch import Batch, ForwardOutput
 from engine.block_mode import BlockDiffusion
+from engine.host_copy import to_device
 from engine.masked_mode import MaskedDiffusion
 from engine.mode import DecodingMode
 from engine.slots import Slots
@@ -45,6 +46,6 @@ class ModelRunner:
         else:  # one forward per group, the logits put back in row order
             parts = [self.forwards[batch.plans[index[0]].kind](batch.rows(index), width) for index in groups.values()]
             order = [b for index in groups.values() for b in index]
-            inverse = torch.tensor(sorted(range(len(order)), key=order.__getitem__)).to(self.device, non_blocking=True)
+            inverse = to_device(torch.tensor(sorted(range(len(order)), key=order.__getitem__)), self.device)
             logits = torch.cat(parts).index_select(0, inverse)
         return ForwardOutput(logits.float(), block_tokens, in_block, positions)

@@ -21,6 +21,7 @@ import torch
 from engine.batch import Batch
 from engine.decoding.knobs import device_knobs, device_value
 from engine.decoding.params import DecodeParams
+from engine.host_copy import to_device
 from engine.models.kv_cache import KVStore
 from engine.models.transformer import DiffusionTransformer
 from engine.request import Request
@@ -69,13 +70,13 @@ class Slots:
         self._grow(running)
         slot, device = request.slot, self.device
         prompt = torch.frombuffer(array.array("q", request.prompt_ids), dtype=torch.long)
-        self.canvas[slot, :request.prompt_len] = prompt.to(device, non_blocking=True)
+        self.canvas[slot, :request.prompt_len] = to_device(prompt, device)
         self.canvas[slot, request.prompt_len:request.length] = blank
         self._admit_store(request)
         params = request.params
         for kind, knobs in _TABLES.items():  # one host-to-device copy per table, once
             values = [device_value(k, getattr(params, k.name)) for k in knobs]
-            self.knobs[kind][slot] = torch.tensor(values, dtype=_DTYPES[kind]).to(device, non_blocking=True)
+            self.knobs[kind][slot] = to_device(torch.tensor(values, dtype=_DTYPES[kind]), device)
         self.low_yield[slot] = 0
 
     def _grow(self, running: Sequence[Request]) -> None:

@@ -32,6 +32,7 @@ from engine.decoding import uniform as U
 from engine.decoding.params import DecodeParams
 from engine.decoding.registry import decide_canvas
 from engine.decoding.sampling import token_logprobs
+from engine.host_copy import to_device
 from engine.mode import DecodingMode, ForwardFn
 from engine.request import Geometry, Request
 from engine.slots import RowTables
@@ -111,12 +112,12 @@ class UniformDiffusion(DecodingMode):
             groups.setdefault(r.prompt_len if r.block == 0 else length, []).append(r)
         for fed, group in groups.items():
             start = torch.tensor([0 if r.block == 0 else r.block_start - length for r in group])
-            at = torch.tensor([r.slot for r in group]).to(slots.device, non_blocking=True)
-            columns = start.to(slots.device, non_blocking=True)[:, None] + slots.positions[:fed]
+            at = to_device(torch.tensor([r.slot for r in group]), slots.device)
+            columns = to_device(start, slots.device)[:, None] + slots.positions[:fed]
             self.model.encode(slots.canvas[at[:, None], columns], slots.store, rows=at,
                               width=max(r.block_start for r in group))
         fresh = [requests[b] for b in starting]
-        at = torch.tensor([r.slot for r in fresh]).to(slots.device, non_blocking=True)
+        at = to_device(torch.tensor([r.slot for r in fresh]), slots.device)
         draws = [slots.draws[r.slot] for r in fresh]
         slots.noisy[at] = torch.cat([d.canvas((1, length)) for d in draws if d is not None]).to(slots.device)
         for state in (slots.stable, slots.settled, slots.accepted, slots.low_yield):
