@@ -49,7 +49,7 @@ def time_engine(engine: Engine, prompts: list[tuple[int, ...]], params: DecodePa
                 args: argparse.Namespace) -> dict[str, tuple[list[float], int]]:
     """{step kind: (seconds of each timed step, tokens fed)} over `repeats` batches after a warm-up."""
     k = min(args.cached_steps, args.block - 1)
-    first, rest = ("prefill", "denoise") if engine.block_causal else ("full", "cached")
+    first, rest = ("prefill", "denoise") if engine.family.mode == "block" else ("full", "cached")
     times: dict[str, list[float]] = {first: [], rest: []}
     fed: dict[str, int] = {}
     for repeat in range(args.repeats + 1):

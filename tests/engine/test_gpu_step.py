@@ -312,3 +312,15 @@ def test_tiny_cpu_run_prints_the_dg_rows(capsys):
         for column in ("step_ms", "tok_per_s", "mem_floor_ms", "comp_floor_ms", "floor_ms", "step/floor"):
             assert math.isfinite(float(cells[column])) and float(cells[column]) > 0, (key, column)
     assert seen == {("dg", b, k) for b in (1, 2) for k in fed_per_row}
+
+
+def test_tensor_parallel_rows_run_at_tiny_shapes(capsys, fixtures: Path):
+    """`-tp 2` on CPU (bench/tp_step.py): every row of a masked and a block family at TP2 beside TP1."""
+    gpu_step.main(["--real-dir", str(fixtures / "real"), "-tp", "2", "--shapes", "tiny", "--device", "cpu",
+                   "--dtype", "float32", "--models", "llada", "sdar", "--prompt-len", "16", "--gen-len", "16",
+                   "--block", "8", "--batches", "1", "--caches", "dual", "--repeats", "1", "--cached-steps", "1",
+                   "--copy-mib", "16", "--matmul-n", "128", "--threads", "1"])
+    header, *rows = [line.split() for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    cells = [dict(zip(header, row, strict=True)) for row in rows]
+    assert {(c["model"], c["tp"]) for c in cells} == {(m, tp) for m in ("llada", "sdar") for tp in ("1", "2")}
+    assert all(math.isfinite(float(c["step_ms"])) and float(c["step_ms"]) > 0 for c in cells)
