@@ -37,6 +37,13 @@ def _load(name: str, path: Path) -> ModuleType:
 worker = _load("sdar_official_worker", OFFICIAL / "worker.py")
 
 
+@pytest.fixture
+def keep_threads():  # the workers set torch's thread count for their process: this one's is restored
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def test_arguments(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         bench.parse_args(["--official-dir", str(tmp_path)])  # no --official-python
@@ -89,7 +96,7 @@ def test_flash_attn_stand_in_is_plain_attention_and_rms_norm() -> None:
                                F.rms_norm(x, (16,), weight, eps=1e-6))
 
 
-def test_our_side_decodes_and_counts() -> None:
+def test_our_side_decodes_and_counts(keep_threads: None) -> None:
     job, _ = bench.make_job(bench.parse_args(["--worker", "0", "--n", "2"]))
     job["gen_length"] = 16
     out = bench.our_worker(job, 3, threads=1)  # batch 8, dynamic 0.9
@@ -105,7 +112,7 @@ OFFICIAL_PYTHON = os.environ.get("CAI_DLLM_SDAR_OFFICIAL_PYTHON")
 @pytest.mark.skipif(not (OFFICIAL_DIR and OFFICIAL_PYTHON and Path(OFFICIAL_PYTHON).exists()),
                     reason="the official SDAR code and its scratch venv are not given "
                            "(CAI_DLLM_SDAR_OFFICIAL_DIR, CAI_DLLM_SDAR_OFFICIAL_PYTHON; bench/sdar_official/README.md)")
-def test_tiny_side_by_side_decodes_the_same_tokens(tmp_path: Path) -> None:
+def test_tiny_side_by_side_decodes_the_same_tokens(tmp_path: Path, keep_threads: None) -> None:
     job, _ = bench.make_job(bench.parse_args(["--worker", "0", "--n", "3"]))
     job["gen_length"] = 24
     path = tmp_path / "job.json"
