@@ -29,10 +29,11 @@ import torch
 
 from engine import load_model, load_tokenizer
 from engine.chat import chat_prompt_ids
+from engine.decoding.draws import GeneratorDraws
 from engine.models.diffusion_gemma import DiffusionGemmaModel
 from engine.user_text import encode_prompt_text
 from tinymodels.checker import graded_part, is_correct
-from tinymodels.dg_reference import GeneratorDraws, OfficialSettings, generate
+from tinymodels.dg_reference import OfficialSettings, generate
 from tinymodels.evaluate import held_out_problems, model_mix, wilson_interval
 from tinymodels.prompt_forms import PROMPT_FORMS
 from tinymodels.tasks import Problem

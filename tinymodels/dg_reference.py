@@ -23,10 +23,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Optional
 
 import torch
 
+from engine.decoding.draws import Draws
 from engine.models.diffusion_gemma import DiffusionGemmaModel
 
 
@@ -64,35 +65,6 @@ class OfficialSettings:
             return None
         return self.t_min + (self.t_max - self.t_min) * (
             torch.tensor(cur_step, dtype=torch.int32) / self.max_denoising_steps)
-
-
-class Draws(Protocol):
-    """The random draws, in the official call order: per canvas one `canvas` draw, then per step one
-    `samples` draw and one `renoise` draw, always for every row and position."""
-
-    def canvas(self, shape: tuple[int, int]) -> torch.Tensor: ...
-
-    def samples(self, probabilities: torch.Tensor) -> torch.Tensor: ...
-
-    def renoise(self, shape: tuple[int, int]) -> torch.Tensor: ...
-
-
-class GeneratorDraws:
-    """The official draws (`torch.randint(0, V)` and `torch.multinomial`) from one torch generator
-    (the official code uses the global one); results depend on the batch, as officially."""
-
-    def __init__(self, generator: torch.Generator, vocab_size: int) -> None:
-        self.generator = generator
-        self.vocab_size = vocab_size
-
-    def canvas(self, shape: tuple[int, int]) -> torch.Tensor:
-        return torch.randint(0, self.vocab_size, shape, generator=self.generator, device=self.generator.device)
-
-    def samples(self, probabilities: torch.Tensor) -> torch.Tensor:
-        flat = probabilities.reshape(-1, probabilities.shape[-1])
-        return torch.multinomial(flat, 1, generator=self.generator).view(probabilities.shape[:-1])
-
-    renoise = canvas
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,14 @@ import torch
 from safetensors import safe_open
 
 from engine import load_model, load_tokenizer
+from engine.decoding.draws import GeneratorDraws
 from engine.inspect import describe_checkpoint
 from engine.loading.checkpoint import CheckpointFiles
 from engine.models.diffusion_gemma import DiffusionGemmaModel
 from engine.models.weight_names import expected_weights
 from tinymodels.dg_objective import corrupt, decoder_forward, decoder_masks, encode_canvas_rows, encoder_forward
 from tinymodels.dg_recipe import build_model, layer_types
-from tinymodels.dg_reference import GeneratorDraws, OfficialSettings, generate
+from tinymodels.dg_reference import OfficialSettings, generate
 from tinymodels.train import train
 from tinymodels.train_config import TrainConfig
 

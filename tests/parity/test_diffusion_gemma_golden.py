@@ -38,7 +38,7 @@ def model(fixtures, request) -> DiffusionGemmaModel:
 
 
 class RecordedDraws:
-    """The recorded draws, taken in the official call order (`tinymodels.dg_reference.Draws`)."""
+    """The recorded draws, taken in the official call order (`engine.decoding.draws.Draws`)."""
 
     def __init__(self, draws: list[dict[str, Any]], device: torch.device) -> None:
         self._draws: Iterator[dict[str, Any]] = iter(draws)
