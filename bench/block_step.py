@@ -102,14 +102,15 @@ class BlockTimes:
     experts_touched: dict[str, list[int]]  # per step of the warm-up pass: distinct routed experts, all MoE layers
 
 
-class _ExpertCounter:
+class ExpertCounter:
     """Distinct experts every MoE router of a forward chose, summed over layers. The model calls its
     routers' `forward` directly (no module hooks run), so each router's bound method is wrapped on
-    the instance for the warm-up pass and unwrapped after."""
+    the instance for the warm-up pass and unwrapped after. A router returns the chosen expert ids
+    first."""
 
-    def __init__(self, model: BlockDiffusionTransformer) -> None:
+    def __init__(self, model: torch.nn.Module, router_class: type = MoeRouter) -> None:
         self.touched = 0
-        self.routers = [m for m in model.modules() if isinstance(m, MoeRouter)]
+        self.routers = [m for m in model.modules() if isinstance(m, router_class)]
         for router in self.routers:
             router.forward = self._counting(router.forward)
 
@@ -142,7 +143,7 @@ def time_block_steps(model: BlockDiffusionTransformer, prompts: list[tuple[int, 
         engine = Engine.from_model(model, max_batch=len(prompts))
         for i, prompt in enumerate(prompts):
             engine.add_request(prompt, params, f"bench-{i}")
-        counter = _ExpertCounter(model) if repeat == 0 else None
+        counter = ExpertCounter(model) if repeat == 0 else None
         for step in range(block + 1):
             timed = step <= k or step == block
             if counter is not None:

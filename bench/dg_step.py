@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+from block_step import ExpertCounter
 from random_models import build_random
 from roofline import DeviceRates, sync
 
@@ -99,27 +100,6 @@ def random_dg_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> lis
 # ------------------------------------------------------------------------------ timing
 
 
-class _ExpertCounter:
-    """Distinct experts each router call chose (one call per layer and pass), summed over the step."""
-
-    def __init__(self, model: DiffusionGemmaModel) -> None:
-        self.touched = 0
-        self.routers = [m for m in model.modules() if isinstance(m, Gemma4Router)]
-        for router in self.routers:
-            router.forward = self._counting(router.forward)
-
-    def _counting(self, route: Callable) -> Callable:
-        def counted(h: torch.Tensor) -> Any:
-            ids, weights = route(h)
-            self.touched += int(torch.unique(ids).numel())
-            return ids, weights
-        return counted
-
-    def remove(self) -> None:
-        for router in self.routers:
-            del router.forward
-
-
 @dataclass
 class DgTimes:
     seconds: dict[str, list[float]]
@@ -140,7 +120,7 @@ def time_dg_steps(model: DiffusionGemmaModel, prompts: list[tuple[int, ...]], ca
         engine = Engine.from_model(model, max_batch=len(prompts))
         for i, prompt in enumerate(prompts):
             engine.add_request(prompt, params, f"bench-{i}")
-        counter = _ExpertCounter(model) if repeat == 0 else None
+        counter = ExpertCounter(model, Gemma4Router) if repeat == 0 else None
         for step in range(cached_steps + 2):
             kind = PREFILL if step == 0 else NEXT if step == cached_steps + 1 else DENOISE
             if counter is not None:
