@@ -241,16 +241,8 @@ def test_tiny_cpu_run_prints_the_block_rows(capsys, fixtures: Path):
     assert not [line for line in lines if "warning" in line]  # the engine fed what the floor counts
     touched = [line for line in lines if "routed experts touched per MoE layer" in line]
     assert len(touched) == 2 * 3 and not [line for line in lines if line.startswith("# sdar batch")]
-    header, *rows = [line.split() for line in lines if not line.startswith("#")]
     fed_per_row = {"prefill": 16 + 8, "denoise": 8, "next": 2 * 8}
-    seen = set()
-    for row in rows:
-        cells = dict(zip(header, row, strict=True))
-        key = (cells["model"], int(cells["batch"]), cells["step"])
-        seen.add(key)
-        assert cells["cache"] == "exact" and int(cells["fed_tok"]) == key[1] * fed_per_row[key[2]], key
-        for column in ("step_ms", "tok_per_s", "mem_floor_ms", "comp_floor_ms", "floor_ms", "step/floor"):
-            assert math.isfinite(float(cells[column])) and float(cells[column]) > 0, (key, column)
+    seen = _exact_cache_rows(lines, fed_per_row)
     assert seen == {(m, b, k) for m in ("sdar", "llada2") for b in (1, 2) for k in fed_per_row}
 
 
@@ -300,17 +292,9 @@ def test_tiny_cpu_run_prints_the_dg_rows(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert not [line for line in lines if "warning" in line]  # the engine fed what the floor counts
     assert len([line for line in lines if "routed experts touched per layer and pass" in line]) == 2 * 3
-    header, *rows = [line.split() for line in lines if not line.startswith("#")]
     canvas = dg_step.TINY_CANVAS
     fed_per_row = {"prefill": 16 + canvas, "denoise": canvas, "next": 2 * canvas}
-    seen = set()
-    for row in rows:
-        cells = dict(zip(header, row, strict=True))
-        key = (cells["model"], int(cells["batch"]), cells["step"])
-        seen.add(key)
-        assert cells["cache"] == "exact" and int(cells["fed_tok"]) == key[1] * fed_per_row[key[2]], key
-        for column in ("step_ms", "tok_per_s", "mem_floor_ms", "comp_floor_ms", "floor_ms", "step/floor"):
-            assert math.isfinite(float(cells[column])) and float(cells[column]) > 0, (key, column)
+    seen = _exact_cache_rows(lines, fed_per_row)
     assert seen == {("dg", b, k) for b in (1, 2) for k in fed_per_row}
 
 
@@ -324,3 +308,18 @@ def test_tensor_parallel_rows_run_at_tiny_shapes(capsys, fixtures: Path):
     cells = [dict(zip(header, row, strict=True)) for row in rows]
     assert {(c["model"], c["tp"]) for c in cells} == {(m, tp) for m in ("llada", "sdar") for tp in ("1", "2")}
     assert all(math.isfinite(float(c["step_ms"])) and float(c["step_ms"]) > 0 for c in cells)
+
+
+def _exact_cache_rows(lines: list[str], fed_per_row: dict[str, int]) -> set[tuple[str, int, str]]:
+    """The (model, batch, step) of every row printed, each checked: exact cache, the tokens fed that
+    its step feeds a row at its batch, finite positive times and floors."""
+    header, *rows = [line.split() for line in lines if not line.startswith("#")]
+    seen = set()
+    for row in rows:
+        cells = dict(zip(header, row, strict=True))
+        key = (cells["model"], int(cells["batch"]), cells["step"])
+        seen.add(key)
+        assert cells["cache"] == "exact" and int(cells["fed_tok"]) == key[1] * fed_per_row[key[2]], key
+        for column in ("step_ms", "tok_per_s", "mem_floor_ms", "comp_floor_ms", "floor_ms", "step/floor"):
+            assert math.isfinite(float(cells[column])) and float(cells[column]) > 0, (key, column)
+    return seen
