@@ -21,9 +21,9 @@ exact cache, and the only way to run LLaDA2.1's additive 0/1 mask, under which f
 attend to the current block and so cannot be cached.
 
 Every row that runs against its exact cache (a denoising step or a store pass, whatever its block
-size and fed length) takes part in one forward, padded to the longest fed length: the rows hold
-slots [0, n) in row order (engine/scheduler.py), so the forward attends over a view of the store's
-first rows, never a copy. Window rows share a forward by block size, fed length and mask.
+size and fed length) takes part in one forward, its fed tokens packed (engine/models/packing.py):
+the rows hold slots [0, n) in row order (engine/scheduler.py), so the forward attends over a view of
+the store's first rows, never a copy. Window rows share a forward by block size, fed length and mask.
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ class BlockDiffusion(DecodingMode):
                           mask=requests[0].params.block_attention, logits_at=at)
 
     def _cached(self, rows: Batch, width: int) -> torch.Tensor:
-        """The rows' fed tokens against their exact caches, in one forward padded to the longest
-        fed length: logits [R, width, V] at their block positions (a store pass returns some
+        """The rows' fed tokens against their exact caches, in one forward (packed where the rows feed
+        different counts): logits [R, width, V] at their block positions (a store pass returns some
         logits there: no decision reads them)."""
         requests, canvas, positions = rows.requests, self.slots.canvas, self.slots.positions
         length = max(plan.fed for plan in rows.plans)
@@ -116,7 +116,8 @@ class BlockDiffusion(DecodingMode):
         # over the rows' span of slots (a view of the store); a window row inside it feeds nothing
         cache = BlockCache(self.slots.store.rows_view(rows.span), rows.spread(rows.cache_start, 0),
                            width=max(r.cached + plan.fed for r, plan in zip(requests, rows.plans, strict=True)),
-                           fed=rows.spread(fed, 0), scratch=rows.max_length)
+                           fed=rows.spread(fed, 0), scratch=rows.max_length,
+                           fed_total=sum(plan.fed for plan in rows.plans))
         logits = self.model.forward_cached(rows.spread(ids, self.mask_id), cache,
                                            block_size=rows.spread(rows.block_length, 1), logits_at=rows.spread(at, 0))
         return rows.gather(logits)

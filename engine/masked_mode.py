@@ -24,6 +24,7 @@ from engine.dual_graphs import DualStepGraphs
 from engine.host_copy import to_device
 from engine.mode import DecodingMode, ForwardFn
 from engine.models.kv_cache import CacheWrite
+from engine.models.packing import PackedTokens
 from engine.models.transformer import DiffusionTransformer
 from engine.request import Geometry, Request
 from engine.slots import Slots
@@ -122,10 +123,17 @@ class MaskedDiffusion(DecodingMode):
         # Attention spans the step's longest canvas; query-only positions write to the column past
         # it, which no row attends (the store is wider: not read here). The forward runs over the
         # rows' span of slots, a view of the store; a slot in it that runs another forward this step
-        # is fed masks that write only that scratch column.
+        # feeds nothing (its row of the padded grid is masks that write only that scratch column).
         scratch = rows.max_length
         ids, positions, write_index = self._cached_inputs(rows, query_length, scratch, through_end)
-        cache = CacheWrite(store.rows_view(rows.span), rows.spread(write_index, scratch), width=scratch + 1)
+        # packed (engine/models/packing.py) when rows feed different counts or the span holds others
+        fed_total = sum(plan.fed for plan in rows.plans)
+        packed = None
+        if fed_total < query_length * (rows.span.stop - rows.span.start):
+            end = rows.length if through_end else rows.block_start + rows.block_length
+            packed = PackedTokens.from_counts(rows.spread(end - rows.block_start + shift, 0), fed_total, query_length)
+        cache = CacheWrite(store.rows_view(rows.span), rows.spread(write_index, scratch), width=scratch + 1,
+                           packed=packed)
         logits = self.model(rows.spread(ids, self.mask_id), position_ids=rows.spread(positions, 0), cache=cache,
                             logits_at=rows.spread(queries, 0))
         return rows.gather(logits)

@@ -32,6 +32,7 @@ import torch
 from engine.models.kv_cache import CacheWrite, KVStore
 from engine.models.layers import Positions
 from engine.models.moe import MOE_KERNELS, GroupedExperts, grouped_mm_available
+from engine.models.packing import PackedTokens
 from engine.models.transformer import DiffusionTransformer, check_input_ids
 
 BlockMask = Literal["block_causal", "additive_01"]
@@ -68,6 +69,8 @@ class BlockCache:
     width: Optional[int] = None
     fed: Optional[torch.Tensor] = None  # [R] long; None: every input of every row
     scratch: Optional[int] = None  # needed with `fed`
+    # the sum of `fed`, known on the host: the forward then packs the fed tokens (engine/models/packing.py)
+    fed_total: Optional[int] = None
 
 
 class BlockDiffusionTransformer(DiffusionTransformer):
@@ -133,7 +136,10 @@ class BlockDiffusionTransformer(DiffusionTransformer):
         written = columns[None, :] < end[:, None]  # [R, width]
         sizes = block_size if isinstance(block_size, int) else block_size[:, None]
         attn_mask = block_causal_mask(position_ids, columns[None], sizes) & written[:, None, None, :]
-        write = CacheWrite(cache.store, write_index, width=width)
+        packed = None
+        if cache.fed is not None and cache.fed_total is not None and cache.fed_total < input_ids.numel():
+            packed = PackedTokens.from_counts(cache.fed, cache.fed_total, length)
+        write = CacheWrite(cache.store, write_index, width=width, packed=packed)
         return self.run_layers(input_ids, position_ids, attn_mask, write, logits_at, None)
 
 

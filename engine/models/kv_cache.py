@@ -24,6 +24,8 @@ from typing import Optional
 
 import torch
 
+from engine.models.packing import PackedTokens
+
 
 @dataclass
 class KVStore:
@@ -77,10 +79,11 @@ class KVStore:
 
 def write_kv(store: torch.Tensor, new: torch.Tensor, write_index: torch.Tensor, rows: torch.Tensor) -> None:
     """store[rows[b], :, write_index[b, i]] = new[b, :, i] for store [S, heads, width, dim] and new
-    [B, heads, L, dim]. Indexed assignment through a [S, width, heads, dim] view rather than scatter_
-    along the width: the same writes, but each fed position moves one contiguous heads x dim slab
-    instead of a scatter_ that walks every element with its own index."""
-    store.transpose(1, 2)[rows[:, None], write_index] = new.transpose(1, 2)
+    [B, heads, L, dim] (`rows` [B], or [B, L]: a store row per token, for packed tokens). Indexed
+    assignment through a [S, width, heads, dim] view rather than scatter_ along the width: the same
+    writes, but each fed position moves one contiguous heads x dim slab instead of a scatter_ that
+    walks every element with its own index."""
+    store.transpose(1, 2)[rows if rows.dim() == 2 else rows[:, None], write_index] = new.transpose(1, 2)
 
 
 @dataclass
@@ -89,21 +92,32 @@ class CacheWrite:
     `rows[b]` (row b when `rows` is None) for token i of input row b. With `attend_to_cache`, the
     queries of row b attend over the first `width` columns (all when None) of store row b, read in
     place: a forward that attends is given a store whose row b is its input row b (a `rows_view`),
-    never a gather of rows, which would copy every attended key and value once a layer."""
+    never a gather of rows, which would copy every attended key and value once a layer.
+
+    With `packed`, the forward's tokens are packed (engine/models/packing.py): `write_index` is still
+    given on the padded [B, Lq] grid and packed here, and token t writes store row `packed.row[t]`."""
 
     store: KVStore
     write_index: torch.Tensor  # [B, Lq] long
     rows: Optional[torch.Tensor] = None  # [B] long; only for a forward that does not attend to the store
     attend_to_cache: bool = True
     width: Optional[int] = None
+    packed: Optional[PackedTokens] = None
 
     def __post_init__(self) -> None:
         if self.attend_to_cache and self.rows is not None:
             raise ValueError("a forward that attends to the store reads a view of its rows (KVStore.rows_view), "
                              "not rows gathered by index")
-        # the store row of each input row, made once a forward rather than once a layer
-        self.write_rows = self.rows if self.rows is not None else torch.arange(
-            self.write_index.shape[0], device=self.write_index.device)
+        self.batch = self.write_index.shape[0]  # input rows (before packing)
+        # the store row of each input row (of each packed token), made once a forward rather than once a layer
+        if self.packed is not None:
+            if self.rows is not None or not self.attend_to_cache:
+                raise ValueError("packed tokens attend to a view of their rows (KVStore.rows_view)")
+            self.write_rows = self.packed.row[None]
+            self.write_index = self.packed.pack(self.write_index)
+        else:
+            self.write_rows = self.rows if self.rows is not None else torch.arange(
+                self.batch, device=self.write_index.device)
 
     def write_and_read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this forward's keys/values [B, kv_heads, Lq, dim] of layer `layer`; return what its
@@ -113,8 +127,8 @@ class CacheWrite:
         write_kv(values, v, self.write_index, self.write_rows)
         if not self.attend_to_cache:
             return k, v
-        return keys[:k.shape[0], :, :self.width], values[:k.shape[0], :, :self.width]  # views
+        return keys[:self.batch, :, :self.width], values[:self.batch, :, :self.width]  # views
 
     def key_mask(self) -> torch.Tensor:
         """[B, width] the store's key mask at the rows and columns attended over."""
-        return self.store.key_mask[:self.write_index.shape[0], :self.width]
+        return self.store.key_mask[:self.batch, :self.width]

@@ -120,6 +120,8 @@ def select_positions(x: torch.Tensor, at: Positions) -> torch.Tensor:
     """x [B, L, ...] at the positions `at` of each row: [B, K, ...]."""
     if isinstance(at, int):
         return x[:, :at]
+    if x.shape[0] == 1 and at.shape[0] > 1:  # one row (packed tokens) read by several
+        return x[0][at]
     index = at.reshape(*at.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
     return x.gather(1, index)
 
@@ -167,13 +169,18 @@ class Attention(nn.Module):
             rotated = apply_rotary(qk[..., :self.rotary_dim], cos, sin, self.rope_in_float32)
             qk = torch.cat((rotated, qk[..., self.rotary_dim:]), dim=-1)
         q = qk[:, :, :heads] if query_at is None else select_positions(qk[:, :, :heads], query_at)
+        packed = cache.packed if cache is not None else None
+        if packed is not None:  # packed tokens: the queries on their rows' padded grid (engine/models/packing.py)
+            q = packed.pad(q)
         q, k, v = q.transpose(1, 2), qk[:, :, heads:].transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.write_and_read(self.index, k, v)
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.to(q.dtype)  # SDPA wants an additive mask in the query dtype
-        out = self.kernel(q, k, v, mask)
-        return self.tp.all_reduce(self.o_proj.forward(out.transpose(1, 2).reshape(batch, q.shape[2], -1)))
+        out = self.kernel(q, k, v, mask).transpose(1, 2)
+        if packed is not None:
+            out = packed.pack(out)
+        return self.tp.all_reduce(self.o_proj.forward(out.reshape(batch, out.shape[1], -1)))
 
 
 class SwiGLU(nn.Module):

@@ -150,14 +150,24 @@ class DiffusionTransformer(nn.Module):
     def run_layers(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: Optional[torch.Tensor],
                    cache: Optional[CacheWrite], logits_at: Optional[Positions],
                    hidden_states_out: Optional[list[torch.Tensor]]) -> torch.Tensor:
-        """The layers over tokens at `position_ids` [B|1, L] under `mask` (see `Attention.forward`)."""
+        """The layers over tokens at `position_ids` [B|1, L] under `mask` (see `Attention.forward`).
+        With a cache of packed tokens (`CacheWrite.packed`), the inputs are given on the padded grid
+        and every layer but attention runs over the packed tokens alone."""
+        packed = cache.packed if cache is not None else None
+        if packed is not None:
+            input_ids, position_ids = packed.pack(input_ids), packed.pack(position_ids.expand_as(input_ids))
+            if isinstance(logits_at, torch.Tensor):
+                logits_at = packed.index(logits_at)
+            elif logits_at is not None:
+                raise ValueError("packed tokens take their logits at [B, K] positions")
         cos, sin = self.rotary.forward(position_ids)
         x = self.embed_tokens(input_ids)
         # Only some outputs wanted: past its keys and values, the last layer computes those positions
         # alone (its attention queries, MLP, norm and head), the same values at a fraction of the work.
-        # Under a mask with a row per query (block-causal) the head takes the positions instead.
+        # Under a mask with a row per query (block-causal), or over packed tokens, the head takes the
+        # positions instead.
         per_query = mask is not None and mask.shape[-2] > 1
-        query_at = logits_at if hidden_states_out is None and not per_query else None
+        query_at = logits_at if hidden_states_out is None and not per_query and packed is None else None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             if hidden_states_out is not None:
@@ -166,6 +176,8 @@ class DiffusionTransformer(nn.Module):
             x = layer.forward(x, cos, sin, mask, cache, query_at if i == last else None)
         if logits_at is not None and query_at is None:
             x = select_positions(x, logits_at)
+        elif packed is not None:  # every position's logits: back on the padded grid
+            x = packed.pad(x)
         x = self.norm.forward(x)
         if hidden_states_out is not None:
             hidden_states_out.append(x)

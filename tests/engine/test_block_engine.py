@@ -12,6 +12,7 @@ import pytest
 from cache_views import cache_reads_in_place
 
 from engine import DecodeParams, Engine, RequestError, load_model
+from engine.models.packing import PackedTokens
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +103,9 @@ def test_block_edit_fills_its_block_at_the_step_limit(sdar_models):
 
 def test_rows_decode_the_same_batched_and_alone(sdar_models):
     """Rows of different policies, block sizes and prompt tails share steps at different blocks (one
-    padded cached forward, a window row among them), rows finishing and moving slots as they go;
-    every cached forward reads the store in place."""
+    cached forward, a window row among them), rows finishing and moving slots as they go; every
+    cached forward reads the store in place, and feeding different counts, packs its tokens: the
+    layers' MLP runs over the fed tokens alone, never the padding."""
     model = next(iter(sdar_models.values()))
     params = [DecodeParams(policy="cai", gen_length=16, block_length=4, steps=16),
               DecodeParams(policy="block-dynamic", gen_length=16, block_length=8, steps=8, threshold=0.6,
@@ -115,9 +117,24 @@ def test_rows_decode_the_same_batched_and_alone(sdar_models):
                            eos_early_stop=True, block_attention="additive_01")]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
     engine = Engine.from_model(model, max_batch=3)
-    with cache_reads_in_place(engine) as checked:
+    mlp_tokens, packed_totals = [], []
+    mlp, from_counts = model.layers[0].mlp, PackedTokens.from_counts
+
+    def counting_mlp(x):  # type: ignore[no-untyped-def]
+        mlp_tokens.append(x.shape[0] * x.shape[1])
+        return type(mlp).forward(mlp, x)
+
+    def counting_pack(fed, total, length):  # type: ignore[no-untyped-def]
+        packed_totals.append(total)
+        assert total == int(fed.sum()) < fed.shape[0] * length
+        return from_counts(fed, total, length)
+
+    with cache_reads_in_place(engine) as checked, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mlp, "forward", counting_mlp)
+        patch.setattr(PackedTokens, "from_counts", counting_pack)
         batched = engine.generate(prompts, params)
     assert checked[0] > 0
+    assert packed_totals and all(total in mlp_tokens for total in packed_totals)
     alone = [Engine.from_model(model, max_batch=1).generate([p], q)[0] for p, q in zip(prompts, params, strict=True)]
     for a, b in zip(batched, alone, strict=True):
         assert a.generated_ids == b.generated_ids

@@ -160,11 +160,12 @@ def test_sdar_incremental_path_matches_official(sdar_dir):
         _close(block_b, full[:, prompt_len + block:], LOGITS_ATOL)
 
 
-def test_rows_at_different_blocks_share_one_cached_forward(sdar_dir):
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_rows_at_different_blocks_share_one_cached_forward(sdar_dir, packed):
     """A batch of rows at different blocks feeding different numbers of tokens (one its first two
-    blocks against an empty cache, one its last block against the cache of the others, padded) in
-    one forward over the store's rows in place: every row gets its own full block-causal forward's
-    logits, and the padding leaves the cache alone."""
+    blocks against an empty cache, one its last block against the cache of the others) in one
+    forward over the store's rows in place, padded or packed (engine/models/packing.py): every row
+    gets its own full block-causal forward's logits, and the padding leaves the cache alone."""
     data = load_file(_forward_files(sdar_dir, "forward")[0])
     block = _block_size_of(data["attention_mask"][0, 0], 1.0)
     model = load_model(_sdar_checkpoint_for(sdar_dir, block))
@@ -182,7 +183,8 @@ def test_rows_at_different_blocks_share_one_cached_forward(sdar_dir):
         fed = torch.tensor([2 * block, block])
         current = torch.stack([ids[:2 * block], torch.cat([ids[(blocks - 1) * block:], ids[:block]])])
         starts = torch.tensor([0, (blocks - 1) * block])
-        cache = BlockCache(store, starts, width=ids.shape[0], fed=fed, scratch=scratch)
+        cache = BlockCache(store, starts, width=ids.shape[0], fed=fed, scratch=scratch,
+                           fed_total=int(fed.sum()) if packed else None)
         logits = model.forward_cached(current, cache, block_size=torch.tensor([block, block]))
         _close(logits[0], model(ids[None, :2 * block], block_size=block)[0], LOGITS_ATOL)
         _close(logits[1, :block], model(ids[None], block_size=block)[0, (blocks - 1) * block:], LOGITS_ATOL)
