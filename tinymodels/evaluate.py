@@ -50,6 +50,8 @@ def default_configs(architecture: str, gen_length: int = 128, block_length: int 
     base = {"gen_length": gen_length, "block_length": block_length, "steps": gen_length}
     if FAMILIES[architecture].mode == "block":  # no dual cache, their own policies (docs/decoding.md)
         return block_configs(base)
+    if FAMILIES[architecture].mode == "uniform":
+        return uniform_configs(gen_length)
     refresh = dual_cache_refresh(architecture)
     cai = {**base, "policy": "cai", "cache": "dual", "refresh_interval": refresh}
     rows = [
@@ -79,6 +81,15 @@ def block_configs(base: dict[str, Any]) -> list[EvalConfig]:
         EvalConfig("CAI full, gate on", {**base, "policy": "cai", "gating": True}),
         EvalConfig("CAI full, gate off", {**base, "policy": "cai", "gating": False}),
     ]
+
+
+def uniform_configs(gen_length: int) -> list[EvalConfig]:
+    """A uniform-noise model (DiffusionGemma): the official stopping rule and the convergence-aware
+    one, each with the checkpoint's generation_config and the same seed for every request (each
+    request draws from its own generator: the report does not depend on the batch)."""
+    base = {"gen_length": gen_length, "seed": 0}
+    return [EvalConfig("dg-official", {**base, "policy": "dg-official"}),
+            EvalConfig("dg-converge", {**base, "policy": "dg-converge"})]
 
 
 def wilson_interval(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
