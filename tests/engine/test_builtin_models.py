@@ -12,7 +12,7 @@ import pytest
 
 from engine import Engine, EngineConfig
 from tinymodels.checker import is_correct
-from tinymodels.evaluate import EvalConfig, evaluate, held_out_problems, prompt_ids
+from tinymodels.evaluate import EvalConfig, default_configs, evaluate, held_out_problems, prompt_ids
 from tinymodels.prompt_forms import PROMPT_FORMS
 from tinymodels.tasks import DEFAULT_MIX, sample, split_of
 
@@ -20,13 +20,15 @@ MODELS = Path(__file__).resolve().parents[2] / "models"
 BUILTIN = [name for name in ("llada-tiny", "dream-tiny") if (MODELS / name / "model.safetensors").is_file()]
 # block-diffusion built-ins: decoded in block mode with their own policies
 BLOCK_BUILTIN = [name for name in ("sdar-tiny",) if (MODELS / name / "model.safetensors").is_file()]
+# uniform-noise built-ins (DiffusionGemma's format): sampled, each request from its own seeded generator
+UNIFORM_BUILTIN = [name for name in ("diffusiongemma-tiny",) if (MODELS / name / "model.safetensors").is_file()]
 
 
 def test_llada_tiny_is_committed():
     assert "llada-tiny" in BUILTIN
 
 
-@pytest.mark.parametrize("name", BUILTIN + BLOCK_BUILTIN)
+@pytest.mark.parametrize("name", BUILTIN + BLOCK_BUILTIN + UNIFORM_BUILTIN)
 def test_checksums_match_the_docs(name):
     doc = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
     digest = hashlib.sha256((MODELS / name / "model.safetensors").read_bytes()).hexdigest()
@@ -65,6 +67,20 @@ def test_evaluation_harness_on_the_model(name):
     [report] = evaluate(engine, problems, [EvalConfig("fixed", {"policy": "fixed", "gen_length": 128,
                                                                  "block_length": 32, "steps": 128})])
     assert report.n == 8 and report.nfe > 0 and report.generated_tokens > 0
+
+
+@pytest.mark.parametrize("name", UNIFORM_BUILTIN)
+def test_evaluation_harness_on_the_uniform_noise_model(name):
+    """Its default rows (the official stopping rule and the convergence-aware one), each request
+    seeded: the same report twice, whatever the batch."""
+    engine = Engine(EngineConfig(model=str(MODELS / name)))
+    problems = held_out_problems(6, seed=5)
+    configs = default_configs(engine.architecture, gen_length=64)
+    reports = [evaluate(engine, problems, configs, batch_size=batch) for batch in (6, 2)]
+    for by_batch in zip(*reports, strict=True):
+        assert {(r.correct, r.nfe, r.generated_tokens) for r in by_batch} == {(by_batch[0].correct, by_batch[0].nfe,
+                                                                               by_batch[0].generated_tokens)}
+        assert by_batch[0].n == 6 and by_batch[0].nfe > 0 and by_batch[0].generated_tokens > 0
 
 
 @pytest.mark.slow
