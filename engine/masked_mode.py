@@ -127,11 +127,9 @@ class MaskedDiffusion(DecodingMode):
         scratch = rows.max_length
         ids, positions, write_index = self._cached_inputs(rows, query_length, scratch, through_end)
         # packed (engine/models/packing.py) when rows feed different counts or the span holds others
-        fed_total = sum(plan.fed for plan in rows.plans)
-        packed = None
-        if fed_total < query_length * (rows.span.stop - rows.span.start):
-            end = rows.length if through_end else rows.block_start + rows.block_length
-            packed = PackedTokens.from_counts(rows.spread(end - rows.block_start + shift, 0), fed_total, query_length)
+        end = rows.length if through_end else rows.block_start + rows.block_length
+        packed = PackedTokens.where_padded(rows.spread(end - rows.block_start + shift, 0),
+                                           sum(plan.fed for plan in rows.plans), query_length)
         cache = CacheWrite(store.rows_view(rows.span), rows.spread(write_index, scratch), width=scratch + 1,
                            packed=packed)
         logits = self.model(rows.spread(ids, self.mask_id), position_ids=rows.spread(positions, 0), cache=cache,

@@ -137,8 +137,8 @@ class BlockDiffusionTransformer(DiffusionTransformer):
         sizes = block_size if isinstance(block_size, int) else block_size[:, None]
         attn_mask = block_causal_mask(position_ids, columns[None], sizes) & written[:, None, None, :]
         packed = None
-        if cache.fed is not None and cache.fed_total is not None and cache.fed_total < input_ids.numel():
-            packed = PackedTokens.from_counts(cache.fed, cache.fed_total, length)
+        if cache.fed is not None and cache.fed_total is not None:
+            packed = PackedTokens.where_padded(cache.fed, cache.fed_total, length)
         write = CacheWrite(cache.store, write_index, width=width, packed=packed)
         return self.run_layers(input_ids, position_ids, attn_mask, write, logits_at, None)
 

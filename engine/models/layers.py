@@ -120,8 +120,6 @@ def select_positions(x: torch.Tensor, at: Positions) -> torch.Tensor:
     """x [B, L, ...] at the positions `at` of each row: [B, K, ...]."""
     if isinstance(at, int):
         return x[:, :at]
-    if x.shape[0] == 1 and at.shape[0] > 1:  # one row (packed tokens) read by several
-        return x[0][at]
     index = at.reshape(*at.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
     return x.gather(1, index)
 

@@ -13,6 +13,7 @@ cost no matmul, and in a mixture-of-experts layer route to no expert.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -27,6 +28,12 @@ class PackedTokens:
     start: torch.Tensor  # [rows] long: the packed index of each row's first token
     rows: int
     length: int
+
+    @classmethod
+    def where_padded(cls, fed: torch.Tensor, total: int, length: int) -> Optional[PackedTokens]:
+        """Packed tokens when the rows' counts leave padding in the [R, length] grid, else None (a
+        dense batch is already packed)."""
+        return cls.from_counts(fed, total, length) if total < fed.shape[0] * length else None
 
     @classmethod
     def from_counts(cls, fed: torch.Tensor, total: int, length: int) -> PackedTokens:
@@ -54,7 +61,7 @@ class PackedTokens:
         out[self.row, self.column] = x[0]
         return out
 
-    def index(self, at: torch.Tensor) -> torch.Tensor:
-        """Packed indices of each row's fed positions `at` [R, K]; a position past a row's tokens
-        (an output no one reads) maps to some packed token."""
-        return (self.start[:, None] + at).clamp(max=self.total - 1)
+    def take(self, x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """[1, T, ...] at each row's fed positions `at` [R, K]: [R, K, ...]; a position past a row's
+        tokens (an output no one reads) takes some packed token."""
+        return x[0][(self.start[:, None] + at).clamp(max=self.total - 1)]

@@ -155,11 +155,9 @@ class DiffusionTransformer(nn.Module):
         and every layer but attention runs over the packed tokens alone."""
         packed = cache.packed if cache is not None else None
         if packed is not None:
-            input_ids, position_ids = packed.pack(input_ids), packed.pack(position_ids.expand_as(input_ids))
-            if isinstance(logits_at, torch.Tensor):
-                logits_at = packed.index(logits_at)
-            elif logits_at is not None:
+            if isinstance(logits_at, int):
                 raise ValueError("packed tokens take their logits at [B, K] positions")
+            input_ids, position_ids = packed.pack(input_ids), packed.pack(position_ids.expand_as(input_ids))
         cos, sin = self.rotary.forward(position_ids)
         x = self.embed_tokens(input_ids)
         # Only some outputs wanted: past its keys and values, the last layer computes those positions
@@ -174,10 +172,10 @@ class DiffusionTransformer(nn.Module):
                 hidden_states_out.append(x)
             # no hooks: see engine.models.layers
             x = layer.forward(x, cos, sin, mask, cache, query_at if i == last else None)
-        if logits_at is not None and query_at is None:
+        if packed is not None:  # back on the rows: at their positions, or every position padded
+            x = packed.pad(x) if logits_at is None else packed.take(x, logits_at)
+        elif logits_at is not None and query_at is None:
             x = select_positions(x, logits_at)
-        elif packed is not None:  # every position's logits: back on the padded grid
-            x = packed.pad(x)
         x = self.norm.forward(x)
         if hidden_states_out is not None:
             hidden_states_out.append(x)

@@ -29,9 +29,10 @@ def test_logits_positions_point_at_each_rows_tokens_and_stay_inside_the_pack():
     fed = torch.tensor([2, 3, 0])
     packed = PackedTokens.from_counts(fed, 5, 3)
     at = torch.tensor([[0, 1], [1, 2], [0, 1]])
-    index = packed.index(at)
-    assert index[:2].tolist() == [[0, 1], [3, 4]]
-    assert int(index.max()) < packed.total  # the feeding-nothing row's (never read) stay in range
+    tokens = torch.arange(10, 15)[None, :, None]  # [1, T, 1]: token t holds 10 + t
+    taken = packed.take(tokens, at)
+    assert taken.shape == (3, 2, 1)
+    assert taken[:2, :, 0].tolist() == [[10, 11], [13, 14]]  # the feeding-nothing row's (never read) stay in range
 
 
 def test_write_kv_takes_a_store_row_per_packed_token():
