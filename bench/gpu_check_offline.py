@@ -80,7 +80,7 @@ def _decode(engine: Engine, prompts: Sequence[tuple[int, ...]], params: DecodePa
 
 
 def _captured(engine: Engine) -> int:
-    graphs = getattr(engine.runner, "dual_graphs", None)
+    graphs = getattr(engine.mode, "dual_graphs", None)
     return 0 if graphs is None else graphs.captured
 
 

@@ -104,9 +104,9 @@ def test_cuda_graphs_give_the_tokens_eager_steps_give(name, dtype, record_proper
     engine = Engine.from_model(model_on(name, CHECK_DEVICE, dtype), tokenizer_of(name), max_batch=8,
                                cuda_graphs=True)
     graphs = decode_with(engine, check_requests(name))
-    assert engine.runner.dual_graphs is not None and engine.runner.dual_graphs.captured > 0
+    assert engine.mode.dual_graphs is not None and engine.mode.dual_graphs.captured > 0
     diff = changed(graphs.tokens, eager.tokens)
-    record_property("graphs", engine.runner.dual_graphs.captured)
+    record_property("graphs", engine.mode.dual_graphs.captured)
     if dtype == "float32":
         record_property("changed", f"{len(diff)}/{len(eager.tokens)}")
         assert not diff, describe(name, diff, graphs.texts, eager.texts)
