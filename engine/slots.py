@@ -77,7 +77,7 @@ class Slots:
         for kind, knobs in _TABLES.items():  # one host-to-device copy per table, once
             values = [device_value(k, getattr(params, k.name)) for k in knobs]
             self.knobs[kind][slot] = to_device(torch.tensor(values, dtype=_DTYPES[kind]), device)
-        self.low_yield[slot] = 0
+        self.low_yield[slot].zero_()  # a kernel: assigning a Python 0 copies it from pageable memory, which waits
 
     def _grow(self, running: Sequence[Request]) -> None:
         """The one growth rule: the canvas is as wide as the longest canvas plus the widest block (no

@@ -121,7 +121,7 @@ class UniformDiffusion(DecodingMode):
         draws = [slots.draws[r.slot] for r in fresh]
         slots.noisy[at] = torch.cat([d.canvas((1, length)) for d in draws if d is not None]).to(slots.device)
         for state in (slots.stable, slots.settled, slots.accepted, slots.low_yield):
-            state[at] = 0
+            state.index_fill_(0, at, 0)  # no host value to copy (an assigned 0 would be one)
 
     def _canvas(self, rows: Batch, width: int) -> torch.Tensor:
         """Logits [B, CL, V] of each row's noisy canvas against its cache."""
