@@ -48,6 +48,21 @@ RUNS: dict[str, dict[str, Any]] = {
     "dream d96L8 lr3e-3 wd0.1": {"arch": "dream", "d_model": 96, "layers": 8, "mlp_hidden": 288, "lr": 3e-3,
                                  "weight_decay": 0.1, "steps": 8000},
 }
+# DiffusionGemma-format recipes, each a whole cosine schedule of as many steps as 2 CPU threads run in
+# about the other built-ins' training time (a step there takes 1.6-3 s: docs/models.md). A step is
+# launch-bound on a GPU and runs time-share it: eight of them side by side on an H200 each made 0.56 s
+# a step, so within a lease's minutes run one or two of these at a time, not all.
+DG: dict[str, Any] = {"arch": "diffusion_gemma", **DEEP, "mlp_hidden": 192, "lr": 3e-3, "steps": 3000}
+RUNS.update({
+    "dg lr3e-3": DG,
+    "dg lr2e-3": {**DG, "lr": 2e-3},
+    "dg lr5e-3": {**DG, "lr": 5e-3},
+    "dg lr3e-3 wd0": {**DG, "weight_decay": 0.0},
+    "dg lr3e-3 sc0.25": {**DG, "self_conditioning_share": 0.25},
+    "dg lr3e-3 enc0.5": {**DG, "encoder_loss_weight": 0.5},
+    "dg lr3e-3 4000": {**DG, "steps": 4000},
+    "dg lr4e-3 bs48": {**DG, "lr": 4e-3, "batch_size": 48, "steps": 2000},
+})
 
 
 def run_one(name: str, overrides: dict[str, Any], args: argparse.Namespace, queue: Any) -> None:
@@ -63,6 +78,7 @@ def _run(name: str, overrides: dict[str, Any], args: argparse.Namespace, queue: 
     import torch
 
     from engine import Engine, EngineConfig
+    from engine.models.registry import FAMILIES
     from tinymodels.evaluate import default_configs, evaluate, held_out_problems
     from tinymodels.train import TrainConfig, train
 
@@ -72,10 +88,14 @@ def _run(name: str, overrides: dict[str, Any], args: argparse.Namespace, queue: 
     config = TrainConfig(**{**BASE, **overrides, "steps": steps})
     scale = config.steps / args.steps  # the scoring points move with a run's own schedule
     out = Path(args.out) / name.replace(" ", "_")
-    problems = held_out_problems(args.n_eval, args.seed)
-    fixed = next(c for c in default_configs(config.arch) if c.name == "fixed+exit")
+    problems = held_out_problems(args.n_eval, args.seed, config.mix)
+    # a uniform-noise model is scored under its official stopping rule (seeded), the others by the
+    # fixed one-token-per-step decoder
+    scorer = "dg-official" if FAMILIES[config.arch].mode == "uniform" else "fixed+exit"
+    fixed = next(c for c in default_configs(config.arch) if c.name == scorer)
     started = time.perf_counter()
     for at in sorted({int(int(s) * scale) for s in args.evals.split(",")}):
+        # max_minutes bounds the run's training time over its resumes (scoring not counted)
         log = train(config, out, resume=True, stop_at=at, progress=False, device=args.device,
                     max_minutes=args.max_minutes)
         engine = Engine(EngineConfig(model=str(out), device=args.device, max_batch=args.n_eval))
