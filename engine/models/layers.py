@@ -29,6 +29,14 @@ from engine.parallel.group import SINGLE, TensorParallel
 Positions = Union[int, torch.Tensor]
 
 
+def normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dim, unscaled, in x's dtype: the formula's operations in
+    its order (bit for bit what `F.rms_norm` gives on CPU), the temporaries updated in place. A
+    small model's step on a CPU is bound by the number of tensor operations, not their size."""
+    scale = (x * x).mean(-1, keepdim=True)
+    return x * scale.add_(eps).rsqrt_()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -37,9 +45,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # PyTorch's kernel for the formula below (float32 in and out; bit for bit on CPU, where the
-            # parity and golden tests run)
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+            return normalized(x, self.eps).mul_(self.weight)
         # LLaDA, Dream and LLaDA2 normalise in float32 and cast back *before* scaling by the weight.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -159,7 +165,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj.forward(x).view(batch, length, heads + 2 * kv_heads, self.head_dim)
         qk, v = qkv[:, :, :heads + kv_heads], qkv[:, :, heads + kv_heads:]
         if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat((self.q_norm.forward(qk[:, :, :heads]), self.k_norm.forward(qk[:, :, heads:])), dim=2)
+            qk = self._qk_normed(qk, heads, kv_heads)
         # RoPE on the queries and keys together: one rotation over their heads side by side
         if self.rotary_dim == self.head_dim:
             qk = apply_rotary(qk, cos, sin, self.rope_in_float32)
@@ -179,6 +185,19 @@ class Attention(nn.Module):
         if packed is not None:
             out = packed.pack(out)
         return self.tp.all_reduce(self.o_proj.forward(out.reshape(batch, out.shape[1], -1)))
+
+
+    def _qk_normed(self, qk: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+        """QK-norm of the queries' and keys' heads side by side [B, L, heads + kv_heads, dim]."""
+        q_norm, k_norm = self.q_norm, self.k_norm
+        assert q_norm is not None and k_norm is not None
+        q_weight, k_weight = q_norm.weight, k_norm.weight
+        if qk.dtype == torch.float32 and q_weight.dtype == k_weight.dtype == torch.float32 and q_norm.eps == k_norm.eps:
+            # one normalisation over every head, each head then scaled by its norm's weight: the
+            # same numbers as the two norms (the weight multiplies last either way), half the operations
+            weight = torch.cat((q_weight.expand(heads, -1), k_weight.expand(kv_heads, -1)))
+            return normalized(qk, q_norm.eps).mul_(weight)
+        return torch.cat((q_norm.forward(qk[:, :, :heads]), k_norm.forward(qk[:, :, heads:])), dim=2)
 
 
 class SwiGLU(nn.Module):
