@@ -48,8 +48,11 @@ def test_overload_every_request_gets_200_or_429_and_memory_returns():
 
         async def wave(n: int, concurrency: int) -> list[httpx.Response]:
             gate = asyncio.Semaphore(concurrency)
-            async with httpx.AsyncClient(base_url=base, timeout=60,
-                                         limits=httpx.Limits(max_connections=concurrency)) as client:
+            # idle connections expire on the client before the server's keep-alive (uvicorn's 5 s)
+            # closes them: otherwise a request sent on a connection the server is closing at that
+            # instant fails with a read error, a race of any keep-alive client, not an overload answer
+            limits = httpx.Limits(max_connections=concurrency, keepalive_expiry=1.0)
+            async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as client:
                 async def one() -> httpx.Response:
                     async with gate:
                         return await client.post("/v1/completions", json=body)
