@@ -3,7 +3,8 @@ minutes on one H100 or H200,
 
 1. tests: the CUDA tests (`pytest -m cuda`: the built-in models against the CPU in float32 and
    bfloat16 through every policy and cache mode, CUDA graphs against eager steps, int8/int4/fp8,
-   one host read a step, LLaDA2's MoE kernels; tests/cuda_check.py gives the criterion);
+   one host read a step, LLaDA2's MoE kernels, the uniform-noise built-in by its answers;
+   tests/cuda_check.py gives the criterion);
 2. step: bench/gpu_step.py at the real shapes, a subset that fits: LLaDA-8B and SDAR-8B at batch 1
    and 8, full and cached steps, against the roofline floor measured in the same run;
 3. offline: the offline engine at LLaDA-8B's shape, batch 1 against 8, CUDA graphs off and on
@@ -44,8 +45,8 @@ from gpu_check_summary import parse_junit, parse_pytest_lines, parse_table, summ
 ROOT = Path(__file__).resolve().parents[1]
 # in this order: a phase stopped by its budget keeps what ran first (the quantized models' CPU references
 # are the slowest part)
-CUDA_TEST_FILES = ("tests/engine/test_cuda_models.py", "tests/engine/test_dual_graphs.py",
-                   "tests/engine/test_cuda_quantization.py")
+CUDA_TEST_FILES = ("tests/engine/test_cuda_models.py", "tests/engine/test_cuda_uniform.py",
+                   "tests/engine/test_dual_graphs.py", "tests/engine/test_cuda_quantization.py")
 PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "triton", "torchao", "bitsandbytes",
             "flash_attn")
 # Per-phase budgets on a GPU (seconds), inside the whole check's: measured phases are short of them by

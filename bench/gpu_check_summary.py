@@ -19,6 +19,9 @@ TEST_LABELS = {
     "test_moe_kernels_on_the_device": "moe",
     "test_a_quantized_model_answers_on_the_device_as_on_the_cpu": "quantized",
     "test_fp8_loads_and_answers_on_a_gpu_that_has_it": "fp8",
+    "test_the_uniform_noise_model_answers_on_the_device_as_on_the_cpu": "uniform answers",
+    "test_a_seeded_request_gives_the_same_tokens_alone_and_batched_on_the_device": "uniform seeded",
+    "test_one_host_read_per_step_on_the_device_uniform": "uniform reads",
 }
 # recorded, but too long or too plain for the screen (results.json keeps them)
 OFF_SCREEN = ("sync_sources", "steps")

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+import warnings
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ import torch
 
 from engine import DecodeParams, Engine, load_model
 from engine.chat import chat_prompt_ids
+from engine.host_reads import count_host_reads
 from engine.loading.tokenizer import load_tokenizer
 from tinymodels.checker import is_correct
 from tinymodels.evaluate import held_out_problems, model_mix
@@ -150,3 +153,33 @@ def describe(name: str, indices: Sequence[int], ours: Sequence[str], reference: 
 def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
     ours, reference = ours.double().cpu(), reference.double().cpu()
     return ((ours - reference).norm() / reference.norm()).item()
+
+
+def steps_with_one_read(engine: Engine, record_property: Any,
+                        kernel_reads: Callable[[], int] = lambda: 0) -> None:
+    """Step `engine` until its requests finish, asserting one tensor read a step (engine.host_reads)
+    besides the reads a kernel is documented to make (`kernel_reads()`: those made so far); on CUDA
+    every synchronising operation is counted too (torch's sync debug mode: a blocking host-to-device
+    copy waits for the stream as a read does) and recorded with where it happens."""
+    on_cuda = check_device().type == "cuda"
+    syncs: list[int] = []
+    sources: Counter[str] = Counter()
+    while engine.has_unfinished():
+        before = kernel_reads()
+        with warnings.catch_warnings(record=True) as caught, count_host_reads() as reads:
+            warnings.simplefilter("always")
+            if on_cuda:
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                engine.step()
+            finally:
+                if on_cuda:
+                    torch.cuda.set_sync_debug_mode("default")
+        assert reads.count == 1 + kernel_reads() - before, reads.by_method
+        found = [w for w in caught if "synchronizing" in str(w.message)]
+        syncs.append(len(found))
+        sources.update(f"{'/'.join(w.filename.split('/')[-2:])}:{w.lineno}" for w in found)
+    record_property("steps", len(syncs))
+    if on_cuda:
+        record_property("syncs_per_step", f"max {max(syncs)}, mean {sum(syncs) / len(syncs):.2f}")
+        record_property("sync_sources", "; ".join(f"{s} x{n}" for s, n in sources.most_common(8)))

@@ -5,9 +5,6 @@ which bench/gpu_check.py puts in its results."""
 
 from __future__ import annotations
 
-import warnings
-from collections import Counter
-
 import pytest
 import torch
 from cuda_check import (
@@ -25,12 +22,12 @@ from cuda_check import (
     describe,
     model_on,
     relative_error,
+    steps_with_one_read,
     tokenizer_of,
 )
 
 from engine import Engine, load_model
 from engine.decoding.params import DEFAULT_BLOCK_LENGTH
-from engine.host_reads import count_host_reads
 from engine.models.moe import grouped_mm_available
 
 pytestmark = CUDA_MARKS
@@ -123,30 +120,10 @@ def test_one_host_read_per_step_on_the_device(name, record_property):
     by engine.host_reads. On CUDA, every synchronising operation is counted too (torch's sync debug
     mode: a blocking host-to-device copy waits for the stream as a read does) and recorded with
     where it happens; the rule the test holds the engine to is the read."""
-    on_cuda = check_device().type == "cuda"
     engine = Engine.from_model(model_on(name, CHECK_DEVICE, "bfloat16"), tokenizer_of(name), max_batch=8)
     for request in check_requests(name):
         engine.add_request(request.prompt_ids, request.params)
-    syncs: list[int] = []
-    sources: Counter[str] = Counter()
-    while engine.has_unfinished():
-        with warnings.catch_warnings(record=True) as caught, count_host_reads() as reads:
-            warnings.simplefilter("always")
-            if on_cuda:
-                torch.cuda.set_sync_debug_mode("warn")
-            try:
-                engine.step()
-            finally:
-                if on_cuda:
-                    torch.cuda.set_sync_debug_mode("default")
-        assert reads.count == 1, reads.by_method
-        found = [w for w in caught if "synchronizing" in str(w.message)]
-        syncs.append(len(found))
-        sources.update(f"{'/'.join(w.filename.split('/')[-2:])}:{w.lineno}" for w in found)
-    record_property("steps", len(syncs))
-    if on_cuda:
-        record_property("syncs_per_step", f"max {max(syncs)}, mean {sum(syncs) / len(syncs):.2f}")
-        record_property("sync_sources", "; ".join(f"{s} x{n}" for s, n in sources.most_common(8)))
+    steps_with_one_read(engine, record_property)
 
 
 def test_moe_kernels_on_the_device(llada2_dir, record_property):
