@@ -16,8 +16,8 @@ all the prompts; runs alternate official/ours (the order swapped every round). P
 tokens identical (each response up to and including its end token, at most 128 tokens), exact-match
 accuracy of both sides, forwards a request (each side's own count: every `model.forward` call of a
 call the request was in, for the official side; the engine's NFE for ours), model calls in all,
-the median seconds of the rounds and the ratio of the medians (official / ours: above 1, ours is
-faster).
+the median seconds of the rounds, the ratio of the medians and the median of each round's ratio
+(official / ours: above 1, ours is faster).
 
     python bench/block_vs_official.py --official-dir /tmp/sdar-official \\
         --official-python /tmp/sdar-venv/bin/python --n 100 --rounds 3 --threads 2 \\
@@ -84,6 +84,12 @@ def plan(comparisons: list[Comparison], rounds: int) -> list[tuple[int, str, Any
 def ratio_of_medians(official_seconds: list[float], our_seconds: list[float]) -> float:
     """Median official time over median time of ours: above 1, ours is faster."""
     return statistics.median(official_seconds) / statistics.median(our_seconds)
+
+
+def median_of_round_ratios(official_seconds: list[float], our_seconds: list[float]) -> float:
+    """The median over rounds of official / ours within the round: the two runs of a round are back
+    to back, so a machine whose speed drifts during the benchmark moves this less than the medians."""
+    return statistics.median(o / u for o, u in zip(official_seconds, our_seconds, strict=True))
 
 
 def identical(official: list[list[int]], ours: list[list[int]]) -> int:
@@ -242,8 +248,9 @@ def main() -> None:
         print(f"# WARNING: tokens changed between rounds in {'; '.join(unstable)}")
     print()
     print("| batch | decoder | identical tokens | accuracy official / ours | forwards a request official / ours "
-          "| model calls official / ours | seconds official (median) | seconds ours (median) | official / ours |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| model calls official / ours | seconds official (median) | seconds ours (median) | official / ours "
+          "| official / ours by round (median) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for c in comparisons:
         official, ours = last[c.official], last[c]
         print(f"| {c.batch} | {c.name} | {identical(official['outputs'], ours['outputs'])}/{args.n} "
@@ -251,7 +258,8 @@ def main() -> None:
               f"| {statistics.mean(official['forwards']):.1f} / {statistics.mean(ours['forwards']):.1f} "
               f"| {official['model_calls']} / {ours['model_calls']} "
               f"| {statistics.median(seconds[c.official]):.2f} | {statistics.median(seconds[c]):.2f} "
-              f"| {ratio_of_medians(seconds[c.official], seconds[c]):.2f}x |")
+              f"| {ratio_of_medians(seconds[c.official], seconds[c]):.2f}x "
+              f"| {median_of_round_ratios(seconds[c.official], seconds[c]):.2f}x |")
     print()
     print("Rounds (seconds): " + "; ".join(
         f"batch {c.batch} {c.name}: official {' '.join(f'{s:.2f}' for s in seconds[c.official])}, "

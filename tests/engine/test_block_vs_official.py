@@ -68,6 +68,16 @@ def test_plan_alternates_and_runs_a_shared_official_decoder_once_a_round() -> No
     assert len(first) == len(bench.COMPARISONS) + len(officials) == 9
 
 
+def test_median_of_round_ratios_pairs_each_round() -> None:
+    # ours twice as fast in two rounds of three, the machine's speed drifting between rounds: the
+    # medians of the two sides (4 and 4) hide it, each round's own ratio does not
+    assert bench.median_of_round_ratios([10.0, 4.0, 4.0], [5.0, 2.0, 4.0]) == pytest.approx(2.0)
+    assert bench.ratio_of_medians([10.0, 4.0, 4.0], [5.0, 2.0, 4.0]) == pytest.approx(1.0)
+    assert bench.median_of_round_ratios([6.0, 2.0, 2.0], [2.0, 2.0, 2.0]) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        bench.median_of_round_ratios([1.0, 2.0], [1.0])
+
+
 def test_ratio_of_medians() -> None:
     assert bench.ratio_of_medians([3.0, 9.0, 4.0], [1.0, 2.0, 100.0]) == pytest.approx(2.0)
     assert bench.ratio_of_medians([1.0], [4.0]) == pytest.approx(0.25)
