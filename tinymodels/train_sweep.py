@@ -50,8 +50,8 @@ RUNS: dict[str, dict[str, Any]] = {
 }
 # DiffusionGemma-format recipes, each a whole cosine schedule of as many steps as 2 CPU threads run in
 # about the other built-ins' training time (a step there takes 1.6-3 s: docs/models.md). A step is
-# launch-bound on a GPU and runs time-share it: eight of them side by side on an H200 each made 0.56 s
-# a step, so within a lease's minutes run one or two of these at a time, not all.
+# launch-bound on a GPU, and runs side by side time-share it: within a lease's minutes, run one or two
+# of these at a time, not all.
 DG: dict[str, Any] = {"arch": "diffusion_gemma", **DEEP, "mlp_hidden": 192, "lr": 3e-3, "steps": 3000}
 RUNS.update({
     "dg lr3e-3": DG,

@@ -47,9 +47,7 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return normalized(x, self.eps).mul_(self.weight)
         # LLaDA, Dream and LLaDA2 normalise in float32 and cast back *before* scaling by the weight.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * normalized(x.float(), self.eps).to(x.dtype)
 
 
 class Float32ScaleRMSNorm(RMSNorm):
@@ -59,9 +57,7 @@ class Float32ScaleRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return super().forward(x)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(x.dtype)
+        return (self.weight.float() * normalized(x.float(), self.eps)).to(x.dtype)
 
 
 def make_norm(size: int, config: ModelConfig) -> RMSNorm:
@@ -185,7 +181,6 @@ class Attention(nn.Module):
         if packed is not None:
             out = packed.pack(out)
         return self.tp.all_reduce(self.o_proj.forward(out.reshape(batch, out.shape[1], -1)))
-
 
     def _qk_normed(self, qk: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
         """QK-norm of the queries' and keys' heads side by side [B, L, heads + kv_heads, dim]."""
