@@ -47,7 +47,7 @@ class UniformSlots(Slots):
         return model.new_cache(max_batch, 2)
 
     def _admit_store(self, request: Request) -> None:
-        self.store.reset(torch.tensor([request.slot], device=self.device))
+        self.store.reset(request.slot)
 
     def _grow_store(self, width: int) -> None:
         self.store.reserve(width)

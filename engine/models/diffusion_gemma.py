@@ -178,7 +178,8 @@ class DiffusionGemmaModel(nn.Module):
     def embed_scale(self) -> torch.Tensor:
         """√hidden as the official float32 buffer, cast to the weight dtype at use (so rounded in bf16):
         a 0-d tensor made on the device, never read back to the host."""
-        scale = torch.tensor(math.sqrt(self.config.hidden_size), dtype=torch.float32, device=self.device)
+        # full, not tensor: a fill kernel on the device, where tensor() copies a host value and waits
+        scale = torch.full((), math.sqrt(self.config.hidden_size), dtype=torch.float32, device=self.device)
         return scale.to(self.dtype)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:

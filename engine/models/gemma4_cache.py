@@ -93,10 +93,11 @@ class Gemma4Cache:
         self.attendable[dst] = self.attendable[src]
         self.length[dst] = self.length[src]
 
-    def reset(self, rows: torch.Tensor) -> None:
-        """Empty these slots (a new request takes them)."""
-        self.length[rows] = 0
-        self.attendable[rows] = False
+    def reset(self, slot: int) -> None:
+        """Empty this slot (a new request takes it). Zeroed by kernels: assigning a Python value would
+        copy it from the host and wait for the stream on a GPU."""
+        self.length[slot].zero_()
+        self.attendable[slot].zero_()
 
     def ring_positions(self, length: torch.Tensor) -> torch.Tensor:
         """[B, window-1]: the position each ring column holds for rows of these lengths, -1 if none."""

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.gemma4_ops import gelu_tanh, rms_norm_unweighted
+from engine.models.moe import expert_counts
 
 MOE_KERNELS = ("plain", "grouped_mm")
 
@@ -76,7 +77,7 @@ class Gemma4Experts(nn.Module):
         flat = expert_ids.reshape(-1)
         order = flat.argsort(stable=True)
         grouped = x[order // top_k]  # one row per (token, expert) pair, grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        counts = expert_counts(flat, self.num_experts)
         if self.kernel_for(x) == "grouped_mm":
             out = self._grouped_mm(grouped, counts)
         else:

@@ -40,6 +40,14 @@ _WEIGHT_SUM_GUARD = 1e-20
 _GROUP_SCORE_TOP = 2
 
 
+def expert_counts(flat_ids: torch.Tensor, groups: int) -> torch.Tensor:
+    """How many (token, expert) pairs each of `groups` experts has, [groups] long. As
+    `bincount(minlength=groups)`, which on CUDA reads the largest id back to size its output and so
+    waits for the stream; the ids here are known to lie below `groups`."""
+    counts = torch.zeros(groups, dtype=torch.long, device=flat_ids.device)
+    return counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+
+
 def grouped_mm_available() -> bool:
     return hasattr(F, "grouped_mm")
 
@@ -155,7 +163,7 @@ class GroupedExperts(nn.Module):
             flat = flat.masked_fill(elsewhere, self.local)
         order = flat.argsort(stable=True)
         grouped = x[order // top_k]  # one row per (token, expert) pair, grouped by expert
-        counts = torch.bincount(flat, minlength=self.local)
+        counts = expert_counts(flat, self.local if elsewhere is None else self.local + 1)  # + the never-run group
         kernel = self.kernel_for(x)
         if kernel == _QUANTIZED_KERNEL:
             out = self._quantized(grouped, counts)
