@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -67,8 +68,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     vocab = engine.vocab_size
     prompts: list[Any] = ([p for p, _ in tasks] if tasks else
                           [[rng.randrange(3, vocab) for _ in range(rng.randrange(4, 16))] for _ in range(args.n)])
+    command = sys.argv[1:] if argv is None else argv
     lines = [f"# dg-official vs dg-converge on {args.model}", "",
-             f"`PYTHONPATH=. python bench/dg_policies.py {' '.join(argv or [])}`; {args.n} prompts, max_tokens "
+             f"`PYTHONPATH=. python bench/dg_policies.py {' '.join(command)}`; {args.n} prompts, max_tokens "
              f"{args.max_tokens}, {torch.get_num_threads()} CPU threads, device {engine.model.device}", "",
              "| policy | batch | exact match | decoder forwards / token | tokens/s |",
              "| --- | --- | --- | --- | --- |"]
