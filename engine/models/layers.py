@@ -114,8 +114,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
         return apply_rotary(x.float(), cos, signed_sin, False).to(x.dtype)
     if not in_float32:
         cos, signed_sin = cos.to(x.dtype), signed_sin.to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((x2, x1), dim=-1) * signed_sin
+    # the halves swapped (rotate-half up to the sign the sine carries): one roll, the same copy as
+    # chunking and concatenating in the other order
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 def select_positions(x: torch.Tensor, at: Positions) -> torch.Tensor:
@@ -149,6 +150,8 @@ class Attention(nn.Module):
         self.q_norm = make_norm(config.head_dim, config) if config.qk_norm else None
         self.k_norm = make_norm(config.head_dim, config) if config.qk_norm else None
         self.kernel: AttentionFn = sdpa_attention
+        self._qk_weight_key: tuple = ()
+        self._qk_weight_cached = torch.empty(0)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor],
                 cache: Optional[CacheWrite] = None, query_at: Optional[Positions] = None) -> torch.Tensor:
@@ -190,9 +193,20 @@ class Attention(nn.Module):
         if qk.dtype == torch.float32 and q_weight.dtype == k_weight.dtype == torch.float32 and q_norm.eps == k_norm.eps:
             # one normalisation over every head, each head then scaled by its norm's weight: the
             # same numbers as the two norms (the weight multiplies last either way), half the operations
-            weight = torch.cat((q_weight.expand(heads, -1), k_weight.expand(kv_heads, -1)))
-            return normalized(qk, q_norm.eps).mul_(weight)
+            return normalized(qk, q_norm.eps).mul_(self._qk_weight(q_weight, k_weight, heads, kv_heads))
         return torch.cat((q_norm.forward(qk[:, :, :heads]), k_norm.forward(qk[:, :, heads:])), dim=2)
+
+
+    def _qk_weight(self, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+        """[heads + kv_heads, dim]: each head's norm weight. Kept between forwards that record no
+        gradient, until either weight changes (its memory or its version: a load, a move, an update)."""
+        if torch.is_grad_enabled():
+            return torch.cat((q_weight.expand(heads, -1), k_weight.expand(kv_heads, -1)))
+        key = (q_weight.data_ptr(), q_weight._version, k_weight.data_ptr(), k_weight._version, heads, kv_heads)
+        if self._qk_weight_key != key:
+            self._qk_weight_cached = torch.cat((q_weight.expand(heads, -1), k_weight.expand(kv_heads, -1)))
+            self._qk_weight_key = key
+        return self._qk_weight_cached
 
 
 class SwiGLU(nn.Module):
@@ -211,7 +225,7 @@ class SwiGLU(nn.Module):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's term of the output (the output itself on one device)."""
-        gate, up = self.gate_up_proj.forward(x).split(self.intermediate_size, dim=-1)
+        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
         return self.down_proj.forward(F.silu(gate) * up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -158,6 +158,8 @@ class DiffusionTransformer(nn.Module):
             if isinstance(logits_at, int):
                 raise ValueError("packed tokens take their logits at [B, K] positions")
             input_ids, position_ids = packed.pack(input_ids), packed.pack(position_ids.expand_as(input_ids))
+        if mask is not None and mask.dtype == torch.bool:
+            mask = additive_mask(mask, self.dtype)
         cos, sin = self.rotary.forward(position_ids)
         x = self.embed_tokens(input_ids)
         # Only some outputs wanted: past its keys and values, the last layer computes those positions
@@ -198,6 +200,12 @@ class DiffusionTransformer(nn.Module):
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather_last(logits)[..., :self.config.vocab_size]
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool attention mask (True = may attend) as the additive one SDPA makes of it (0 and -inf in
+    the queries' dtype): made once a forward rather than by every layer's attention call."""
+    return torch.where(allowed, 0.0, float("-inf")).to(dtype)
 
 
 def check_input_ids(input_ids: torch.Tensor) -> None:
