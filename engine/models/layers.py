@@ -150,8 +150,6 @@ class Attention(nn.Module):
         self.q_norm = make_norm(config.head_dim, config) if config.qk_norm else None
         self.k_norm = make_norm(config.head_dim, config) if config.qk_norm else None
         self.kernel: AttentionFn = sdpa_attention
-        self._qk_weight_key: tuple = ()
-        self._qk_weight_cached = torch.empty(0)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor],
                 cache: Optional[CacheWrite] = None, query_at: Optional[Positions] = None) -> torch.Tensor:
@@ -193,20 +191,9 @@ class Attention(nn.Module):
         if qk.dtype == torch.float32 and q_weight.dtype == k_weight.dtype == torch.float32 and q_norm.eps == k_norm.eps:
             # one normalisation over every head, each head then scaled by its norm's weight: the
             # same numbers as the two norms (the weight multiplies last either way), half the operations
-            return normalized(qk, q_norm.eps).mul_(self._qk_weight(q_weight, k_weight, heads, kv_heads))
+            weight = torch.cat((q_weight.expand(heads, -1), k_weight.expand(kv_heads, -1)))
+            return normalized(qk, q_norm.eps).mul_(weight)
         return torch.cat((q_norm.forward(qk[:, :, :heads]), k_norm.forward(qk[:, :, heads:])), dim=2)
-
-
-    def _qk_weight(self, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
-        """[heads + kv_heads, dim]: each head's norm weight. Kept between forwards that record no
-        gradient, until either weight changes (its memory or its version: a load, a move, an update)."""
-        if torch.is_grad_enabled():
-            return torch.cat((q_weight.expand(heads, -1), k_weight.expand(kv_heads, -1)))
-        key = (q_weight.data_ptr(), q_weight._version, k_weight.data_ptr(), k_weight._version, heads, kv_heads)
-        if self._qk_weight_key != key:
-            self._qk_weight_cached = torch.cat((q_weight.expand(heads, -1), k_weight.expand(kv_heads, -1)))
-            self._qk_weight_key = key
-        return self._qk_weight_cached
 
 
 class SwiGLU(nn.Module):
