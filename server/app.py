@@ -103,8 +103,11 @@ class AppState:
             self.serving = Servings(CompletionServing(loop, self.settings, self.metrics),
                                     ChatServing(loop, self.settings, self.metrics),
                                     TokenizationServing(loop, self.settings.model_name))
-            self.loop = loop
+            # started before it is published: a health check in between would find a loop whose
+            # thread is not running yet and report it dead (Ray Serve checks a replica right after its
+            # constructor, while this thread may still be here)
             loop.start()
+            self.loop = loop
             self.ready.set()
             log.info("ready in %.1f s: serving %s (%s, %s attention, quantization %s) on http://%s:%d",
                      time.monotonic() - began, settings.model_name, loop.architecture, loop.attention_backend,

@@ -68,7 +68,7 @@ def test_two_cpu_replicas_behind_one_endpoint_survive_a_killed_replica(tmp_path)
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 300
         ready, loading_answers = 0, []
-        while ready < 10:  # both replicas loaded: several /ready in a row through the proxy
+        while ready < 10:  # the application serves: several /ready in a row through the proxy
             try:
                 reply = httpx.get(f"{base}/ready", timeout=5)
                 ready = ready + 1 if reply.status_code == 200 else 0
@@ -81,9 +81,9 @@ def test_two_cpu_replicas_behind_one_endpoint_survive_a_killed_replica(tmp_path)
         # a replica loads in its constructor, so Serve routes nothing to it before it serves
         assert not loading_answers, loading_answers[:3]
         ray.init(address="auto", logging_level="ERROR")
-        pids = _replica_pids()
-        assert len(pids) == 2, pids
         replicas_before = _check_metrics_of_every_replica(base, tmp_path)
+        pids = _replica_pids()  # both constructors done (each registered its target)
+        assert len(pids) == 2, pids
 
         async def scenario() -> list[tuple[httpx.Response, int]]:
             body = {"prompt": PROMPT, "max_tokens": 64, "decoding": {"policy": "fixed", "early_exit": False}}
@@ -125,8 +125,17 @@ def _discovered_replicas(base: str) -> set[str]:
 def _check_metrics_of_every_replica(base: str, workdir: Path) -> set[str]:
     """Prometheus on deploy/ray/prometheus.yml finds both replicas through /metrics/targets; after N
     requests the dashboard's sums count N, whichever replica answered each."""
-    groups = httpx.get(f"{base}/metrics/targets", timeout=10).json()
-    assert len(groups) == 2 and len({g["targets"][0] for g in groups}) == 2, groups
+    # /ready through the proxy only reaches replicas whose constructor is done, and a replica's actor is
+    # alive while its constructor still loads the model: the second replica registers its target when
+    # its constructor ends, so discovery is waited for, not assumed
+    deadline = time.monotonic() + 300
+    while True:
+        groups = httpx.get(f"{base}/metrics/targets", timeout=10).json()
+        if len({g["targets"][0] for g in groups}) >= 2:
+            break
+        assert time.monotonic() < deadline, f"the second replica never registered its metrics target: {groups}"
+        time.sleep(1)
+    assert len(groups) == 2, groups
     config = yaml.safe_load((REPO / "deploy" / "ray" / "prometheus.yml").read_text())
     config["global"]["scrape_interval"] = f"{SCRAPE_SECONDS}s"
     discovery = config["scrape_configs"][0]["http_sd_configs"][0]
