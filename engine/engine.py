@@ -234,7 +234,7 @@ class Engine:
     def num_running(self) -> int:
         return self.scheduler.num_running
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """One denoising iteration of every running row (after admitting waiting requests)."""
         for request in self.scheduler.schedule():

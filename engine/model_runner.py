@@ -31,7 +31,7 @@ class ModelRunner:
         self.forwards = mode.forwards  # plan kind -> forward: the one table the runner dispatches through
         self.device = slots.device
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def run(self, batch: Batch) -> ForwardOutput:
         width = batch.width
         p = self.slots.positions[:width]

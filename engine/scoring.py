@@ -95,7 +95,7 @@ class ScoringJob:
         """Tokens the whole job feeds the model (`scoring_cost` for every split)."""
         return len(self._masked) * self.n
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def advance(self) -> int:
         """Run the next forward; returns the tokens it fed the model (0 once done)."""
         if self.done:

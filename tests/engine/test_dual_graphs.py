@@ -88,8 +88,9 @@ def test_static_dual_forward_leaves_other_slots_caches_alone(llada_model):
     row = engine.scheduler.running[2]
     assert row.slot == 2
     block = slice(row.block_start, row.block_start + row.block_length)
-    for keys in engine.slots.store.keys:
-        keys[2, :, block] = 0  # so that the dual forward's writes show
+    with torch.inference_mode():  # the engine's state is made in inference mode (Engine.step)
+        for keys in engine.slots.store.keys:
+            keys[2, :, block] = 0  # so that the dual forward's writes show
     before = [k.clone() for k in engine.slots.store.keys]
     row.step = 1  # a dual step of slot 2 alone
     inputs = runner.run(Batch.build([row], engine.mode.plan, llada_model.device))

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from cache_views import cache_reads_in_place
+from torch.overrides import TorchFunctionMode
 
 from engine import DecodeParams, Engine, load_model
 from engine.batch import Batch
@@ -285,3 +286,40 @@ def test_streamed_text_equals_the_whole_response(tiny_engine_parts, held_out_pro
         assert streamed[request_id].finish_reason == whole.finish_reason
         text = tokenizer.decode(result.response_ids, skip_special_tokens=True)  # the offline text
         assert text.startswith(whole.text) and (whole.stopped_by_string or text == whole.text)
+
+
+
+class _InferenceModeSpy(TorchFunctionMode):
+    """Records, for every torch call made under it, whether inference mode was on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.modes: list[bool] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.modes.append(torch.is_inference_mode_enabled())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", ["masked", "block"])
+def test_every_operation_of_a_step_and_a_scoring_job_runs_in_inference_mode(llada_model, sdar_dir, family):
+    """A step's operations skip autograd's dispatch altogether (`torch.inference_mode`, not `no_grad`):
+    its fixed cost per operation is a visible share of a small model's step on a CPU."""
+    model = llada_model if family == "masked" else load_model(sdar_dir)
+    engine = Engine.from_model(model, max_batch=4)
+    caches = ["none", "prefix", "dual"] if family == "masked" else ["exact", "none"]
+    for cache in caches:
+        for prompt in ([5, 6, 7], [8, 9]):
+            engine.add_request(prompt, DecodeParams(gen_length=8, block_length=8 if family == "masked" else None,
+                                                    cache=cache))
+    spy = _InferenceModeSpy()
+    while engine.has_unfinished():
+        with spy:
+            engine.step()
+    if family == "masked":
+        job = engine.scoring_job([5, 6, 7, 8], samples=2)
+        while not job.done:
+            with spy:
+                job.advance()
+    outside = spy.modes.count(False)
+    assert spy.modes and not outside, f"{outside} of {len(spy.modes)} operations ran outside inference mode"
