@@ -288,7 +288,6 @@ def test_streamed_text_equals_the_whole_response(tiny_engine_parts, held_out_pro
         assert text.startswith(whole.text) and (whole.stopped_by_string or text == whole.text)
 
 
-
 class _InferenceModeSpy(TorchFunctionMode):
     """Records, for every torch call made under it, whether inference mode was on."""
 
