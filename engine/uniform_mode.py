@@ -40,7 +40,8 @@ from engine.uniform_slots import UniformSlots
 
 CANVAS = "canvas"
 BLANK = -1  # what a canvas not yet committed reads in the slot's canvas (never a token id, never fed)
-_SAMPLING_KNOBS = ("temperature", "top_k", "top_p", "min_p")
+# the sampling filters: the entropy-bound sampler draws from the whole tempered distribution
+_FILTERS = {"top_k": (None, -1, 0), "top_p": (None, 1.0), "min_p": (None, 0.0)}
 
 
 class UniformDiffusion(DecodingMode):
@@ -84,10 +85,12 @@ class UniformDiffusion(DecodingMode):
         if params.block_length != self.canvas_length:
             self.refuse("block_length", f"a canvas is the model's canvas_length ({self.canvas_length}), got "
                                         f"block_length={params.block_length}")
-        for name in _SAMPLING_KNOBS:
-            if getattr(params, name) not in (None, 0, 0.0):
-                self.refuse(name, f"{name} does not apply: every position is sampled at the temperature that "
-                                  f"t_max and t_min set")
+        for name, neutral in _FILTERS.items():  # their neutral values, which OpenAI clients send by default
+            if getattr(params, name) not in neutral:
+                allowed = " or ".join(str(v) for v in neutral if v is not None)
+                self.refuse(name, f"{name} does not apply: every position is sampled from the whole vocabulary "
+                                  f"at the temperature that t_max and t_min set (scaled by `temperature`); "
+                                  f"{name} may only be {allowed}")
         if params.t_max is not None and params.t_min is not None and params.t_max <= params.t_min:
             self.refuse("t_max", f"t_max ({params.t_max}) must be above t_min ({params.t_min})")
 

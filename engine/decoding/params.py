@@ -61,7 +61,7 @@ class DecodeParams:
     # None: the model's block (the family table), else DEFAULT_BLOCK_LENGTH, or the canvas for one-block policies
     block_length: Optional[int] = knob(None, Int(low=1))
     steps: Optional[int] = knob(None, Int(low=1))  # total denoising steps over the canvas; None: one per position
-    temperature: float = knob(0.0, Float(low=0.0))
+    temperature: float = knob(0.0, Float(low=0.0), reads=_DG)  # DiffusionGemma: a scale on its schedule
     seed: Optional[int] = knob(None, Int(low=0))
     top_p: Optional[float] = knob(None, Float(0.0, 1.0, low_open=True), reads=ANY_POLICY, none=1.0)
     top_k: Optional[int] = knob(None, Int(low=-1), reads=ANY_POLICY, none=0)  # -1 and 0 mean "off", as in vLLM

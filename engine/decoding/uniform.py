@@ -59,10 +59,14 @@ class CanvasDecision:
 
 def temperature(step: torch.Tensor, knobs: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """[B] float32: T = t_min + (t_max - t_min) * cur_step / N at the row's 0-based step, cur_step =
-    N - step (N..1: t_min itself is never reached), as the official loop evaluates it in float32."""
+    N - step (N..1: t_min itself is never reached), as the official loop evaluates it in float32;
+    times the request's `temperature`, a scale on the whole schedule. 1 (the OpenAI default) and 0
+    leave it as it is: a canvas drawn from noise has no greedy decode, so 0 means the schedule too."""
     steps = knobs["max_denoising_steps"]
     fraction = (steps - step).float() / steps.float()
-    return knobs["t_min"] + (knobs["t_max"] - knobs["t_min"]) * fraction
+    schedule = knobs["t_min"] + (knobs["t_max"] - knobs["t_min"]) * fraction
+    scale = knobs["temperature"]
+    return schedule * torch.where(scale > 0, scale, 1).to(schedule.dtype)
 
 
 def entropy(scaled: torch.Tensor) -> torch.Tensor:

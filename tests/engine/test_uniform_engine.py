@@ -40,13 +40,24 @@ def test_the_checkpoint_decides_the_defaults(model) -> None:
     assert params.confidence_threshold == generation["confidence_threshold"] and params.adaptive_stop
 
 
-@pytest.mark.parametrize(("knob", "value"), [("temperature", 0.7), ("top_k", 5), ("block_length", 4),
+@pytest.mark.parametrize(("knob", "value"), [("top_p", 0.9), ("top_k", 5), ("min_p", 0.1), ("block_length", 4),
                                              ("policy", "cai"), ("cfg_scale", 1.0), ("t_min", 0.9)])
 def test_what_the_mode_does_not_have_is_refused_naming_the_knob(model, knob, value) -> None:
     engine = Engine.from_model(model, max_batch=1)
     with pytest.raises(RequestError) as err:
         engine.validate(PROMPTS[0], DecodeParams(gen_length=8, **{knob: value}))
     assert err.value.param == ("t_max" if knob == "t_min" else knob)
+
+
+def test_the_openai_sampling_defaults_are_the_schedule_and_temperature_scales_it(model) -> None:
+    """temperature 1 (the OpenAI SDKs' default) and 0 decode as the schedule alone, with top_p 1, top_k
+    -1/0 and min_p 0 (their neutral values) accepted; another temperature (a scale on every step's T:
+    tests/unit/test_uniform_policies.py) decodes otherwise."""
+    engine = Engine.from_model(model, max_batch=1)
+    plain = engine.generate([PROMPTS[0]], _params(seed=3))[0].generated_ids
+    for sampling in ({"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}, {"temperature": 0.0, "top_k": 0}):
+        assert engine.generate([PROMPTS[0]], _params(seed=3, **sampling))[0].generated_ids == plain
+    assert engine.generate([PROMPTS[0]], _params(seed=3, temperature=0.3))[0].generated_ids != plain
 
 
 def test_a_seeded_request_gives_the_same_tokens_alone_and_batched(model) -> None:

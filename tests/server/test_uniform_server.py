@@ -74,6 +74,14 @@ def test_a_completion_is_the_engines_cut_at_max_tokens(client, oracle) -> None:
     assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
 
 
+def test_the_openai_sdks_default_sampling_fields_are_served(client, oracle) -> None:
+    """temperature 1 and top_p 1, as the SDKs and most clients send them, decode as the schedule does."""
+    expected = _expected(oracle, seed=4)
+    choice = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                       seed=4, temperature=1.0, top_p=1.0, extra_body={"decoding": DECODING}).choices[0]
+    assert choice.text == oracle.tokenizer.decode(expected, skip_special_tokens=True)
+
+
 def test_a_stream_brings_whole_canvases_and_the_same_text(server, client, oracle) -> None:
     body = {"model": client.models.list().data[0].id, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "seed": 5,
             "decoding": DECODING, "stream": True}
@@ -91,7 +99,8 @@ def test_a_stream_brings_whole_canvases_and_the_same_text(server, client, oracle
 
 @pytest.mark.parametrize("extra,param,code", [
     ({"echo": True, "logprobs": 1, "max_tokens": 0}, "echo", "scoring_unsupported"),
-    ({"temperature": 0.7}, "temperature", "invalid_decoding"),
+    ({"top_p": 0.9}, "top_p", "invalid_decoding"),
+    ({"top_k": 5}, "top_k", "invalid_decoding"),
     ({"decoding": {"policy": "cai"}}, "decoding.policy", "invalid_decoding"),
     ({"decoding": {"block_length": 4}}, "decoding.block_length", "invalid_decoding"),
     ({"decoding": {"entropy_bound": 0}}, "decoding.entropy_bound", "invalid_decoding"),

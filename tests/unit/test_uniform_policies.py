@@ -11,7 +11,7 @@ from engine.decoding import uniform as U
 def _knobs(rows: int = 1, **kw: float) -> dict[str, torch.Tensor]:
     values = {"max_denoising_steps": 4, "entropy_bound": 0.1, "t_min": 0.4, "t_max": 0.8, "stability_threshold": 1,
               "confidence_threshold": 0.005, "adaptive_stop": True, "settle_steps": 2, "canvas_relax": 0.5,
-              "eta": 0.015, "patience": 2, **kw}
+              "eta": 0.015, "patience": 2, "temperature": 0.0, **kw}
     return {name: torch.tensor([v] * rows) for name, v in values.items()}
 
 
@@ -20,6 +20,14 @@ def test_the_temperature_runs_from_t_max_and_never_reaches_t_min():
     temps = U.temperature(torch.arange(4), knobs)
     official = [0.4 + (0.8 - 0.4) * (torch.tensor(n, dtype=torch.int32) / 4) for n in (4, 3, 2, 1)]
     assert temps.dtype == torch.float32 and temps.tolist() == [float(t) for t in official]
+
+
+def test_a_requests_temperature_scales_the_whole_schedule_and_1_or_0_leave_it():
+    steps = torch.arange(4)
+    schedule = U.temperature(steps, _knobs(4))
+    assert torch.equal(U.temperature(steps, _knobs(4, temperature=1.0)), schedule)
+    assert torch.allclose(U.temperature(steps, _knobs(4, temperature=0.5)), 0.5 * schedule)
+    assert torch.allclose(U.temperature(steps, _knobs(4, temperature=1.5)), 1.5 * schedule)
 
 
 def test_the_entropy_bound_keeps_the_lowest_entropies_whose_smaller_ones_fit():
