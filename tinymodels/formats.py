@@ -75,8 +75,14 @@ def sdar_config(hidden: int, n_layers: int, n_heads: int, n_kv_heads: int, head_
     }
 
 
-# DiffusionGemma's top-level ids for image tokens: a text-only checkpoint on a vocabulary without them.
-_NO_IMAGE_TOKENS = {"boi_token_id": None, "eoi_token_id": None, "image_token_id": None}
+def _image_token_ids(vocab_size: int) -> dict[str, int]:
+    """DiffusionGemma's top-level image-token ids for a text-only vocabulary: the first ids past it, so
+    no text token is ever taken for an image. They must be ids, not null: the official `generate()`
+    checks `(input_ids == config.image_token_id).any()` on every call, which a null id turns into a
+    Python bool without `.any()`."""
+    return {"boi_token_id": vocab_size, "eoi_token_id": vocab_size + 1, "image_token_id": vocab_size + 2}
+
+
 # The smallest vision tower the config class accepts. DiffusionGemmaConfig always builds one (with
 # `vision_config: null` it builds Gemma 4's default tower); no weights ship for it and the engine
 # refuses image inputs, so it only keeps a Hugging Face load of the config small.
@@ -117,7 +123,8 @@ def diffusion_gemma_config(hidden: int, layer_types: list[str], n_heads: int, kv
         "use_bidirectional_attention": None, "vocab_size": vocab_size,
     }
     return {
-        "architectures": ["DiffusionGemmaForBlockDiffusion"], **_NO_IMAGE_TOKENS, "canvas_length": canvas_length,
+        "architectures": ["DiffusionGemmaForBlockDiffusion"], **_image_token_ids(vocab_size),
+        "canvas_length": canvas_length,
         "dtype": "float32", "initializer_range": 0.02, "model_type": "diffusion_gemma", "text_config": text,
         "tie_word_embeddings": True, "transformers_version": "5.23.0", "vision_config": dict(_PLACEHOLDER_VISION),
     }
