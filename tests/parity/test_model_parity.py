@@ -58,7 +58,7 @@ def test_left_padding_gives_each_real_token_its_unpadded_logits(name, llada_mode
     model = llada_model if name == "llada" else dream_model
     pad = model.special.pad_id
     gen = torch.Generator().manual_seed(0)
-    rows = [torch.randint(0, 200, (n,), generator=gen) for n in (12, 7, 3)]
+    rows = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in (12, 7, 3)]
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
@@ -105,7 +105,7 @@ def test_logits_at_some_positions_are_the_full_forwards_and_write_the_same_cache
     model = llada_model if name == "llada" else dream_model
     config = model.config
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 200, (3, 20), generator=gen)
+    ids = torch.randint(0, config.vocab_size, (3, 20), generator=gen)
     mask = torch.ones(3, 20, dtype=torch.long)
     mask[1, 15:] = 0
     at = torch.tensor([[3, 4, 5, 19], [0, 7, 14, 2], [18, 17, 1, 0]])
