@@ -13,10 +13,11 @@ from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Optional
 
+from engine.bundled import BUNDLED_DIR
 from engine.config import EngineConfig
 
 ENV_PREFIX = "CAI_DLLM_"
-BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "models" / "llada-tiny"
+BUNDLED_MODEL = BUNDLED_DIR / "llada-tiny"
 _MAX_PORT = 65535
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from engine.bundled import bundled_names, model_dir
 from engine.errors import CheckpointError
 from engine.special_tokens import SpecialTokens, special_tokens_from_files
 
@@ -41,9 +42,11 @@ class CheckpointFiles:
 
     @classmethod
     def open(cls, path: Union[str, Path]) -> CheckpointFiles:
-        root = Path(path).expanduser()
+        root = model_dir(path)
         if not root.is_dir():
-            raise CheckpointError(f"checkpoint directory {root} does not exist")
+            names = ", ".join(bundled_names())
+            raise CheckpointError(f"checkpoint directory {root} does not exist"
+                                  + (f" (built-in models, by name: {names})" if names else ""))
         added = _read_json(root / "added_tokens.json", required=False)
         return cls(
             path=root,

@@ -192,3 +192,20 @@ def test_openmp_wait_policy_is_set_once_before_torch():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env,
                           cwd=Path(__file__).resolve().parents[2])
     assert done.stdout.split()[-2:] == ["PASSIVE", "False"], done.stderr
+
+
+@pytest.mark.parametrize("name", ["llada-tiny", "models/llada-tiny"])
+def test_a_builtin_model_by_name_from_another_directory(tmp_path, name):
+    """`--model llada-tiny` (or the repository-relative path) from a directory that has no such folder."""
+    done = subprocess.run([*_cli(), "generate", "--model", name, "--prompt-ids", "1,2,3", "--gen-length", "8",
+                           "--json"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout.splitlines()[-1])["generated_ids"]) > 0
+
+
+def test_a_missing_model_names_the_builtin_ones(tmp_path):
+    from engine.bundled import bundled_names
+
+    done = subprocess.run([*_cli(), "inspect", "no-such-model"], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert done.returncode != 0 and all(name in done.stderr for name in bundled_names())
