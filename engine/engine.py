@@ -32,7 +32,7 @@ from engine.decide import decide_step
 from engine.decoding.params import DecodeParamError, DecodeParams
 from engine.decoding.types import GenerationResult, RequestStats
 from engine.dual_graphs import DualStepGraphs
-from engine.errors import CheckpointError, RequestError
+from engine.errors import CheckpointError, RequestError, SettingError
 from engine.loading.tokenizer import load_tokenizer
 from engine.loading.weights import load_model
 from engine.model_runner import MODES, ModelRunner
@@ -106,11 +106,12 @@ class Engine:
             return None
         if not MODES[self.family.mode].prefix_caching:
             if config.enable_prefix_caching:
-                raise ValueError(f"--enable-prefix-caching: {self.model.display_name} decodes by {self.family.mode} "
-                                 f"diffusion, whose attention is bidirectional over the whole canvas, so a prompt's "
-                                 f"keys and values depend on every token after it and none computed for one request "
-                                 f"is exact for another; serve it without the flag (its per-request caches are the "
-                                 f"decoding knob `cache`)")
+                raise SettingError("--enable-prefix-caching",
+                                   f"{self.model.display_name} decodes by {self.family.mode} diffusion, whose "
+                                   f"attention is bidirectional over the whole canvas, so a prompt's keys and values "
+                                   f"depend on every token after it and none computed for one request is exact for "
+                                   f"another; serve it without the flag (its per-request caches are the decoding "
+                                   f"knob `cache`)")
             return None
         gb = config.prefix_cache_gb if config.prefix_cache_gb is not None else default_budget_gb(self.model.device)
         return PrefixCache(int(gb * (1 << 30)))

@@ -23,3 +23,12 @@ class RequestError(ValueError):
 
 class TensorParallelError(ValueError):
     """The model cannot be split across the requested number of ranks, or a rank failed to start."""
+
+
+class SettingError(ValueError):
+    """An engine-wide setting the model cannot take (a flag such as --enable-prefix-caching): the
+    message opens with the flag, and a server reports it as the setting at fault, not a failed load."""
+
+    def __init__(self, flag: str, reason: str) -> None:
+        super().__init__(f"{flag}: {reason}")
+        self.flag = flag

@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import Engine
+from engine.errors import SettingError
 from server import openapi
 from server.energy import EnergyMeter, open_meter
 from server.engine_loop import EngineLoop
@@ -113,8 +114,10 @@ class AppState:
                      time.monotonic() - began, settings.model_name, loop.architecture, loop.attention_backend,
                      loop.quantization, settings.host, settings.port)
         except Exception as err:  # reported by /ready and /health; `serve` also ends the process
-            self.load_error = f"{type(err).__name__}: {err}"
-            log.error("the model failed to load: %s", self.load_error)
+            # a setting the model refuses names the flag; anything else is the load's own failure
+            self.load_error = (f"the setting {err}" if isinstance(err, SettingError)
+                               else f"the model failed to load: {type(err).__name__}: {err}")
+            log.error("%s", self.load_error)
             if on_failure is not None:
                 on_failure(self.load_error)
 
@@ -133,7 +136,7 @@ class AppState:
         not load, the engine thread died, or it made no progress for --stall-timeout with work
         pending. /health and Ray Serve's replica health check report it."""
         if self.load_error:
-            return "load_failed", f"model failed to load: {self.load_error}"
+            return "load_failed", self.load_error
         loop = self.loop
         if loop is None:
             return None

@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     except SystemExit:  # uvicorn could not bind after all (it has logged why)
         exit_now(1)
     if load_failure:
-        print(f"error: the model failed to load: {load_failure[0]}", file=sys.stderr)
+        print(f"error: {load_failure[0]}", file=sys.stderr)
         exit_now(1)
     if engine_fault:
         print(f"error: the engine failed: {engine_fault[0]}", file=sys.stderr)

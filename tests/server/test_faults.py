@@ -92,9 +92,16 @@ def _serve(*flags: str) -> subprocess.CompletedProcess:
 def test_a_model_that_fails_to_load_ends_the_process_with_the_reason():
     out = _serve("--model", "/no/such/model", "--port", str(free_port()))
     assert out.returncode == 1
-    assert out.stderr.strip().splitlines()[-1] == ("error: the model failed to load: CheckpointError: checkpoint "
-                                                   "directory /no/such/model does not exist")
+    assert out.stderr.strip().splitlines()[-1].startswith("error: the model failed to load: CheckpointError: "
+                                                          "checkpoint directory /no/such/model does not exist")
     assert "loading /no/such/model on cpu" in out.stderr
+
+
+def test_a_setting_the_model_refuses_is_named_not_called_a_failed_load():
+    out = _serve("--model", "dream-tiny", "--enable-prefix-caching", "--port", str(free_port()))
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the setting --enable-prefix-caching: ") and "failed to load" not in last
 
 
 def test_a_port_that_cannot_be_had_is_one_line():
