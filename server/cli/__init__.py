@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     from server.version import package_version
 
     parser = Parser(prog="cai-dllm", description="Convergence-aware inference server for diffusion language "
-                                                 "models (LLaDA, Dream, LLaDA2, SDAR).")
+                                                 "models (LLaDA, Dream, SDAR, LLaDA2, DiffusionGemma).")
     parser.add_argument("--version", action="version", version=f"cai-dllm {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
