@@ -2,7 +2,9 @@
 
 Sources, in order of precedence:
 - mask: `config.json` `mask_token_id`, then `generation_config.json`, then the tokenizer's
-  `mask_token`;
+  `mask_token`, then the tokenizer's special token `<|mask|>` (LLaDA2's: its config and generation
+  config name no mask id; the official `generate()` takes it as an argument whose default is that
+  token's id);
 - eos: `generation_config.json` `eos_token_id` (an int or a list), then `config.json`, then the
   tokenizer's `eos_token`;
 - eot (end of turn): the special token the chat template writes right after an assistant message
@@ -23,6 +25,8 @@ from engine.chat_template import render_chat_template
 from engine.errors import CheckpointError
 
 _PROBE_REPLY = "cai_dllm_probe_reply"
+# The mask token's text in a tokenizer that declares no `mask_token` (LLaDA2's).
+MASK_TOKEN_TEXT = "<|mask|>"
 
 
 @dataclass(frozen=True)
@@ -116,10 +120,12 @@ def special_tokens_from_files(config: dict[str, Any], generation_config: Optiona
     special_added = added_token_ids(tok, special_only=True) or added
 
     mask_id = _first(config.get("mask_token_id"), gen.get("mask_token_id"),
-                     _tokenizer_id(tok, "mask_token", added))
+                     _tokenizer_id(tok, "mask_token", added), special_added.get(MASK_TOKEN_TEXT))
     if mask_id is None and needs_mask:
-        raise CheckpointError("no mask token id: config.json has no mask_token_id and the tokenizer "
-                              "config names no mask_token; a masked diffusion model needs one")
+        raise CheckpointError(f"no mask token id: neither config.json nor generation_config.json has a "
+                              f"mask_token_id, and the tokenizer config names no mask_token and has no "
+                              f"{MASK_TOKEN_TEXT} special token; a masked diffusion model needs one (add "
+                              f"mask_token_id to generation_config.json)")
     eos_ids = (_as_id_tuple(gen.get("eos_token_id")) or _as_id_tuple(config.get("eos_token_id"))
                or _as_id_tuple(_tokenizer_id(tok, "eos_token", added)))
     if not eos_ids:

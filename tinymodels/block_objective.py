@@ -19,6 +19,15 @@ own noise level (one ratio per example would give all the blocks of a sequence t
 Only response and fill positions can be masked (prompt tokens in a noisy block stay clean); the
 loss is the 1/t-weighted cross-entropy on the masked noisy positions, normalised by a fixed length
 so that micro-batches of different lengths weigh their tokens the same.
+
+LLaDA2.1's token-to-token (editing) objective, an option (`edit_noise` > 0): each response position
+of a noisy block left visible is replaced by a random ordinary token with probability `edit_noise`,
+and the cross-entropy on every visible response position of the noisy blocks (weight 1: restore
+the replaced ones, keep the rest) is added to the masked positions' loss, over the same
+normaliser. The decoder's editing rule (`block-edit`) rewrites a visible token of the current
+block when the model predicts another token there with high confidence; trained only on masked
+positions, a model's outputs at visible positions would be untrained. Like LLaDA2.1's released
+recipe, the corruptions are random tokens, not the model's own drafts.
 """
 
 from __future__ import annotations
@@ -66,9 +75,12 @@ def noisy_clean_mask(noisy_positions: torch.Tensor, clean_positions: torch.Tenso
 
 
 def block_diffusion_loss(model: BlockDiffusionTransformer, ids: torch.Tensor, maskable: torch.Tensor,
-                         block_size: int, generator: torch.Generator, normaliser: int) -> torch.Tensor:
+                         block_size: int, generator: torch.Generator, normaliser: int,
+                         edit_noise: float = 0.0, edit_vocab: int = 0) -> torch.Tensor:
     """Mean over the rows of the 1/t-weighted masked cross-entropy (t per block), divided by
-    `normaliser`. Randomness comes from the CPU `generator` whatever device the model is on."""
+    `normaliser`; with `edit_noise` > 0 plus the editing objective's visible-position cross-entropy
+    (see the module docstring), random tokens drawn from ids [0, `edit_vocab`). Randomness comes
+    from the CPU `generator` whatever device the model is on."""
     batch, width = ids.shape
     blocks = width // block_size
     if width % block_size:
@@ -78,12 +90,21 @@ def block_diffusion_loss(model: BlockDiffusionTransformer, ids: torch.Tensor, ma
     masked = maskable.cpu() & (torch.rand(ids.shape, generator=generator) < t)
     first = int(maskable.any(dim=0).nonzero()[0]) // block_size * block_size  # first block with a maskable position
     device = ids.device
-    masked, t = masked[:, first:].to(device), t[:, first:].to(device)
-    noisy = ids[:, first:].masked_fill(masked, model.special.mask_id)
+    visible = (maskable.cpu() & ~masked)[:, first:]
+    noisy = ids[:, first:].cpu().masked_fill(masked[:, first:], model.special.mask_id)
+    if edit_noise > 0:
+        if edit_vocab < 1:
+            raise ValueError("the editing objective needs edit_vocab, the ids random tokens are drawn from")
+        replaced = visible & (torch.rand(visible.shape, generator=generator) < edit_noise)
+        noisy = torch.where(replaced, torch.randint(0, edit_vocab, visible.shape, generator=generator), noisy)
+    masked, t, noisy = masked[:, first:].to(device), t[:, first:].to(device), noisy.to(device)
     noisy_positions = torch.arange(first, width, device=device)
     clean_positions = torch.arange(width, device=device)
     attention = noisy_clean_mask(noisy_positions, clean_positions, block_size)
     logits = model(torch.cat([noisy, ids], dim=1), torch.cat([noisy_positions, clean_positions])[None],
                    block_size=block_size, attention_mask=attention, logits_at=width - first)
     token_loss = F.cross_entropy(logits.float().transpose(1, 2), ids[:, first:], reduction="none")
-    return ((token_loss * masked / t).sum(dim=1) / normaliser).mean()
+    weight = masked / t
+    if edit_noise > 0:
+        weight = weight + visible.to(device)
+    return ((token_loss * weight).sum(dim=1) / normaliser).mean()

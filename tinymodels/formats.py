@@ -1,4 +1,4 @@
-"""Writing checkpoints in the official LLaDA, Dream, SDAR and DiffusionGemma formats (config fields,
+"""Writing checkpoints in the official LLaDA, Dream, SDAR, LLaDA2 and DiffusionGemma formats (config fields,
 names, files)."""
 
 from __future__ import annotations
@@ -72,6 +72,33 @@ def sdar_config(hidden: int, n_layers: int, n_heads: int, n_kv_heads: int, head_
         "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "float32",
         "transformers_version": "4.52.4", "use_cache": False, "use_deepep": False,
         "use_sliding_window": False, "vocab_size": vocab_size,
+    }
+
+
+def llada2_config(hidden: int, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, intermediate: int,
+                  vocab_size: int, pad_id: int, experts: int, experts_per_token: int, expert_intermediate: int,
+                  shared_experts: int, dense_layers: int, groups: int, groups_per_token: int,
+                  max_len: int = 16384, rope_theta: float = 600000.0) -> dict[str, Any]:
+    """Every field of the released LLaDA2 mini config.json (the Hub's key order and `model_type:
+    llada2_moe`, tests/fixtures/real/llada2.0-mini/), with these sizes, but `auto_map` (see
+    `llada_config`). Like the released file it names no mask or eos id: the official `generate()`
+    takes them as arguments; the engine reads them from the tokenizer files beside it. The router
+    keys the official code never reads (`score_function`, `router_dtype`, ...) keep the real values."""
+    return {
+        "architectures": ["LLaDA2MoeModelLM"], "attention_dropout": 0.0, "dtype": "float32",
+        "embedding_dropout": 0.0, "first_k_dense_replace": dense_layers, "head_dim": head_dim, "hidden_act": "silu",
+        "hidden_size": hidden, "initializer_range": 0.02, "intermediate_size": intermediate,
+        "max_position_embeddings": max_len, "max_window_layers": n_layers, "model_type": "llada2_moe",
+        "moe_intermediate_size": expert_intermediate, "moe_router_enable_expert_bias": True, "n_group": groups,
+        "norm_head": False, "norm_softmax": False, "norm_topk_prob": True, "num_attention_heads": n_heads,
+        "num_experts": experts, "num_experts_per_tok": experts_per_token, "num_hidden_layers": n_layers,
+        "num_key_value_heads": n_kv_heads, "num_shared_experts": shared_experts, "output_dropout": 0.0,
+        "output_router_logits": False, "pad_token_id": pad_id, "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-06,
+        "rope_scaling": None, "rope_theta": rope_theta, "rotary_dim": head_dim // 2, "routed_scaling_factor": 2.5,
+        "router_dtype": "fp32", "score_function": "sigmoid", "sliding_window": 4096, "tie_word_embeddings": False,
+        "topk_group": groups_per_token, "transformers_version": "4.57.0", "use_bias": False, "use_cache": False,
+        "use_qk_norm": True, "use_qkv_bias": False, "use_rmsnorm": True, "use_sliding_window": False,
+        "vocab_size": vocab_size,
     }
 
 

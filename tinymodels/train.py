@@ -16,6 +16,8 @@ up to one optimizer step.
 
 `--arch sdar` trains a block-diffusion model instead, with the objective of
 tinymodels/block_objective.py on the same examples, micro-batches, optimizer and schedule.
+`--arch llada2` trains an LLaDA2-format MoE block-diffusion model with the same objective (pieces in
+tinymodels/llada2_recipe.py), optionally with LLaDA2.1's editing objective (`edit_noise`).
 `--arch diffusion_gemma` trains a uniform-noise block-diffusion model in DiffusionGemma's format
 with the objective of tinymodels/dg_objective.py (pieces in tinymodels/dg_recipe.py), on the same
 examples, micro-batches and schedule.
@@ -40,11 +42,12 @@ from tqdm import tqdm
 from engine.models.diffusion_gemma import DiffusionGemmaModel
 from engine.models.dream import DreamModel
 from engine.models.llada import LLaDAModel
+from engine.models.llada2 import LLaDA2Model
 from engine.models.sdar import SDARModel
 from engine.models.transformer import DiffusionTransformer
 from engine.special_tokens import SpecialTokens
 from tinymodels import char_tokenizer as chars
-from tinymodels import dg_recipe
+from tinymodels import dg_recipe, llada2_recipe
 from tinymodels.block_objective import block_diffusion_loss, encode_rows
 from tinymodels.dg_objective import uniform_noise_loss
 from tinymodels.formats import (
@@ -69,6 +72,8 @@ _STATE_FILE = "train_state.pt"
 def hf_config_for(config: TrainConfig) -> dict[str, Any]:
     if config.arch == "diffusion_gemma":
         return dg_recipe.hf_config(config)
+    if config.arch == "llada2":
+        return llada2_recipe.hf_config(config)
     vocab = len(chars.vocabulary())
     mask_id, end_id = chars.special_id(chars.MASK), chars.special_id(chars.END)
     if config.arch == "llada":
@@ -91,6 +96,8 @@ _MODEL_CLASSES: dict[str, type[DiffusionTransformer]] = {"llada": LLaDAModel, "d
 def build_model(config: TrainConfig) -> tuple[TrainedModel, dict[str, Any]]:
     if config.arch == "diffusion_gemma":
         return dg_recipe.build_model(config)
+    if config.arch == "llada2":
+        return llada2_recipe.build_model(config)
     hf = hf_config_for(config)
     cls = _MODEL_CLASSES[config.arch]
     end_id = chars.special_id(chars.END)
@@ -206,6 +213,8 @@ def step_examples(config: TrainConfig, step: int) -> list[Problem]:
 def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> Optimizer:
     if isinstance(model, DiffusionGemmaModel):
         return dg_recipe.make_optimizer(model, config)
+    if isinstance(model, LLaDA2Model):
+        return llada2_recipe.make_optimizer(model, config)
     return build_optimizer(model, config.optimizer, config.lr, config.weight_decay)
 
 
@@ -216,6 +225,8 @@ def train_step(model: torch.nn.Module, optimizer: Optimizer, config: TrainConfig
         group["lr"] = learning_rate(config, step)
     generator = torch.Generator().manual_seed(config.seed * 7919 + step)
     optimizer.zero_grad(set_to_none=True)
+    balancing = isinstance(model, LLaDA2Model) and config.router_bias_rate > 0
+    load = llada2_recipe.ExpertLoad(model) if balancing else None
     loss = torch.zeros((), device=device)
     for examples, canvas_length in micro_batches(config, step_examples(config, step), generator):
         plain = (torch.rand(len(examples), generator=generator) < config.plain_prompt_share).tolist()
@@ -226,7 +237,7 @@ def train_step(model: torch.nn.Module, optimizer: Optimizer, config: TrainConfig
         elif model.block_causal:  # rows sized by their own responses, not the canvas
             ids, maskable = encode_block_examples(examples, plain, config.block_size)
             part = block_diffusion_loss(model, ids.to(device), maskable, config.block_size, generator,
-                                        config.gen_length)
+                                        config.gen_length, config.edit_noise, llada2_recipe.edit_vocabulary())
         else:
             ids, attention, canvas = encode_examples(examples, canvas_length, plain)
             ids, attention = ids.to(device), attention.to(device)  # masks are drawn on the CPU
@@ -237,6 +248,8 @@ def train_step(model: torch.nn.Module, optimizer: Optimizer, config: TrainConfig
         loss += part.detach()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
+    if load is not None:
+        load.update_biases(config.router_bias_rate)
     return loss.item()
 
 

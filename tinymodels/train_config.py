@@ -9,13 +9,14 @@ from typing import Optional
 from tinymodels.tasks import DEFAULT_MIX, check_mix
 
 OPTIMIZERS = ("adamw", "muon")
-ARCHS = ("llada", "dream", "sdar", "diffusion_gemma")
+ARCHS = ("llada", "dream", "sdar", "llada2", "diffusion_gemma")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    # "llada", "dream", "sdar" (block diffusion, tinymodels/block_objective.py) or "diffusion_gemma"
-    # (uniform-noise block diffusion, tinymodels/dg_objective.py)
+    # "llada", "dream", "sdar" (block diffusion, tinymodels/block_objective.py), "llada2" (block
+    # diffusion, MoE, tinymodels/llada2_recipe.py) or "diffusion_gemma" (uniform-noise block
+    # diffusion, tinymodels/dg_objective.py)
     arch: str = "llada"
     # The built-in models' recipe (docs/models.md). Depth mattered more than width: at a similar CPU
     # cost a step, 6 layers of 128 got 67 % of held-out additions right by step 3,880 where 4 layers
@@ -58,7 +59,9 @@ class TrainConfig:
     # new task mix on a model that knows the old one. The built-in models are trained from scratch.
     init_from: Optional[str] = None
     # SDAR: the training block (the block-causal attention's and the mask ratios' unit), written to
-    # config.json as the checkpoint's block_size. The masked-diffusion formats ignore it.
+    # config.json as the checkpoint's block_size. The masked-diffusion formats ignore it. LLaDA2's
+    # config has no block field, so an LLaDA2 model must be trained with the block the engine
+    # decodes LLaDA2 with when a request names none (the official generate()'s 32).
     block_size: int = 8
     # DiffusionGemma (tinymodels/dg_objective.py, docs/models.md). `d_model`, `layers`, `heads`,
     # `kv_heads` (the sliding layers'), `mlp_hidden` (the dense MLP beside the experts, and the
@@ -75,6 +78,22 @@ class TrainConfig:
     self_conditioning_share: float = 0.5
     # Weight of the causal encoder's next-token loss on the clean sequence (official default 1.0).
     encoder_loss_weight: float = 1.0
+    # LLaDA2 (tinymodels/llada2_recipe.py). `experts`, `experts_per_token` and `expert_hidden` (the
+    # routed experts' and each shared expert's hidden size) carry over; `mlp_hidden` is the dense
+    # first layers' MLP.
+    shared_experts: int = 1
+    dense_layers: int = 1  # first_k_dense_replace
+    expert_groups: int = 1  # n_group: the router picks `expert_groups_per_token` groups, then experts in them
+    expert_groups_per_token: int = 1  # topk_group
+    # The routers' expert_bias is not trained by gradient: after each step it moves by this much
+    # towards an even load (up for experts below the mean count, down above it), the auxiliary-loss-
+    # free balancing that `moe_router_enable_expert_bias` names. 0 leaves the biases at 0.
+    router_bias_rate: float = 1e-3
+    # LLaDA2.1's token-to-token editing objective (tinymodels/block_objective.py): each visible
+    # response position of a noisy block is replaced by a random ordinary token with this
+    # probability, and the loss also covers every visible response position (restore what was
+    # replaced, keep what was not), beside the masked positions' loss. 0: LLaDA2.0's objective.
+    edit_noise: float = 0.0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -100,5 +119,14 @@ class TrainConfig:
         check_mix(self.mix)
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
-        if self.arch == "diffusion_gemma" and self.optimizer != "adamw":
-            raise ValueError("the diffusion_gemma recipe trains with adamw only (its experts are 3-D weights)")
+        if min(self.shared_experts, self.dense_layers) < 0 or self.expert_groups < 1:
+            raise ValueError("shared_experts and dense_layers must be >= 0, expert_groups positive")
+        if self.experts % self.expert_groups or not 1 <= self.expert_groups_per_token <= self.expert_groups:
+            raise ValueError(f"expert_groups ({self.expert_groups}) must divide experts ({self.experts}) and "
+                             f"expert_groups_per_token must be in 1..expert_groups, got {self.expert_groups_per_token}")
+        if not 0.0 <= self.edit_noise < 1.0:
+            raise ValueError(f"edit_noise must be in [0, 1), got {self.edit_noise}")
+        if self.router_bias_rate < 0:
+            raise ValueError(f"router_bias_rate must be >= 0, got {self.router_bias_rate}")
+        if self.arch in ("diffusion_gemma", "llada2") and self.optimizer != "adamw":
+            raise ValueError(f"the {self.arch} recipe trains with adamw only (its experts are stacked weights)")

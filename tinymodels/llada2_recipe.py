@@ -1,0 +1,115 @@
+"""The LLaDA2-format built-in model's pieces of the training recipe: its config from the training
+settings, its initial weights, its optimizer and the routers' load balancing (the objective is
+SDAR's block diffusion, tinymodels/block_objective.py, with LLaDA2.1's editing objective as an
+option; the loop is tinymodels/train.py).
+
+The model is LLaDA2's architecture at tiny sizes: fused q|k|v with QK-norm, RoPE on half of each
+head, the first `dense_layers` layers a dense SwiGLU MLP and the rest a mixture of experts (routed
+experts behind LLaDA2's group-limited sigmoid router, plus always-on shared experts), untied head.
+The checkpoint carries no block size (LLaDA2's config has no such field), so it is trained with
+the block the engine decodes an LLaDA2 model with when a request names none."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.models.llada2 import LLaDA2Model
+from engine.models.moe import MoeRouter
+from engine.models.registry import FAMILIES
+from engine.special_tokens import SpecialTokens
+from tinymodels import char_tokenizer as chars
+from tinymodels.formats import llada2_config
+from tinymodels.train_config import TrainConfig
+
+RouterOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+_BETAS = (0.9, 0.95)  # the other built-ins' AdamW
+_GROUP_SCORE_EXPERTS = 2  # the official router scores a group by its best two experts
+
+
+def trained_block(config: TrainConfig) -> int:
+    """The block an LLaDA2 model is trained with: the engine's default for the family."""
+    block = FAMILIES["llada2"].default_block
+    if block is None or config.block_size != block:
+        raise ValueError(f"an LLaDA2 checkpoint names no block size, so the engine decodes it with blocks of "
+                         f"{block}; train it with --block-size {block}, got {config.block_size}")
+    return block
+
+
+def hf_config(config: TrainConfig) -> dict[str, Any]:
+    trained_block(config)
+    if config.experts // config.expert_groups < _GROUP_SCORE_EXPERTS:
+        raise ValueError(f"each of the {config.expert_groups} expert groups needs at least "
+                         f"{_GROUP_SCORE_EXPERTS} experts (the router scores a group by its best two)")
+    return llada2_config(
+        config.d_model, config.layers, config.heads, config.kv_heads or max(1, config.heads // 2),
+        config.d_model // config.heads, config.mlp_hidden, len(chars.vocabulary()), chars.special_id(chars.END),
+        config.experts, config.experts_per_token, config.expert_hidden, config.shared_experts, config.dense_layers,
+        config.expert_groups, config.expert_groups_per_token, rope_theta=config.rope_theta)
+
+
+def build_model(config: TrainConfig) -> tuple[LLaDA2Model, dict[str, Any]]:
+    """Fresh weights: matrices ~ N(0, 0.02), RMSNorm weights 1, the routers' expert_bias 0 and out of
+    the gradient's reach (it moves by `ExpertLoad`, as the official buffer does)."""
+    hf = hf_config(config)
+    end_id = chars.special_id(chars.END)
+    special = SpecialTokens(mask_id=chars.special_id(chars.MASK), eos_ids=(end_id,), pad_id=end_id)
+    torch.manual_seed(config.seed)
+    model = LLaDA2Model(LLaDA2Model.parse_config(hf), special, hf)
+    for name, param in model.named_parameters():
+        if name.endswith("expert_bias"):
+            torch.nn.init.zeros_(param)
+            param.requires_grad_(False)
+        elif name.endswith("norm.weight"):
+            torch.nn.init.ones_(param)
+        else:
+            torch.nn.init.normal_(param, std=0.02)
+    return model, hf
+
+
+def make_optimizer(model: LLaDA2Model, config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW with decoupled weight decay on the matrices only (a decayed RMSNorm weight is pulled
+    towards 0, not the identity); the expert biases are not the optimizer's."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in trained if p.dim() > 1], "weight_decay": config.weight_decay},
+              {"params": [p for p in trained if p.dim() <= 1], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=_BETAS)
+
+
+def edit_vocabulary() -> int:
+    """Random tokens of the editing objective are drawn from ids [0, this): the ordinary characters
+    (the special tokens follow them in the character vocabulary)."""
+    return len(chars.CHARS)
+
+
+class ExpertLoad:
+    """Counts each router's choices over one optimizer step's forwards, then moves every router's
+    expert_bias by `rate` towards an even load: +rate for an expert chosen fewer times than the
+    layer's mean, -rate for one chosen more (auxiliary-loss-free balancing, the update rule of the
+    expert-bias routers LLaDA2's `moe_router_enable_expert_bias` names). A bias only changes which
+    experts are chosen, never a routing weight, so it has no gradient."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.routers = [m for m in model.modules() if isinstance(m, MoeRouter)]
+        self.counts = [torch.zeros(r.moe.num_experts) for r in self.routers]
+        # the layers call `router.forward` directly (no module hooks run), so each router's forward
+        # is wrapped on the instance for the step and unwrapped by `update_biases`
+        for index, router in enumerate(self.routers):
+            router.forward = self._counting(index, router.forward)  # type: ignore[method-assign]
+
+    def _counting(self, index: int, route: Callable[[torch.Tensor], RouterOutput]) -> Callable[..., RouterOutput]:
+        def forward(x: torch.Tensor) -> RouterOutput:
+            out = route(x)
+            chosen = out[0].reshape(-1).detach().cpu()
+            self.counts[index] += torch.bincount(chosen, minlength=self.counts[index].numel()).float()
+            return out
+        return forward
+
+    @torch.no_grad()
+    def update_biases(self, rate: float) -> None:
+        """Apply the step's update and stop counting."""
+        for router, counts in zip(self.routers, self.counts, strict=True):
+            router.expert_bias += rate * torch.sign(counts.mean() - counts).to(router.expert_bias)
+            del router.forward  # the class's forward again
