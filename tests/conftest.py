@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(os.environ.get("CAI_DLLM_FIXTURES", REPO / "tests" / "fixtures")).resolve()
@@ -58,8 +61,8 @@ def llada2_dir(tmp_path_factory) -> Path:
     """A small random-weight LLaDA2 MoE, the parity fixture's layout, on the character tokenizer."""
     from blockcheckpoints import write_llada2
 
-    return write_llada2(tmp_path_factory.mktemp("llada2") / "llada2-random",
-                        FIXTURES / "block" / "llada2" / "llada2_tiny" / "config.json")
+    [config] = sorted((FIXTURES / "block" / "llada2").glob("*/config.json"))
+    return write_llada2(tmp_path_factory.mktemp("llada2") / "llada2-random", config)
 
 
 def generate(model, prompts, params=None, max_batch=8):  # type: ignore[no-untyped-def]
@@ -67,3 +70,13 @@ def generate(model, prompts, params=None, max_batch=8):  # type: ignore[no-untyp
     from engine import Engine
 
     return Engine.from_model(model, max_batch=max_batch).generate(prompts, params)
+
+
+def ordinary_ids(model: Any, lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
+    """Random prompts of these lengths over `model`'s vocabulary, none of them a special id of its
+    checkpoint (mask, pad, bos, end ids): prompts that fit whatever fixture set the tests run on."""
+    special = model.special
+    barred = {special.mask_id, special.pad_id, special.bos_id, *special.end_ids}
+    allowed = torch.tensor([t for t in range(model.config.vocab_size) if t not in barred])
+    gen = torch.Generator().manual_seed(seed)
+    return [allowed[torch.randint(len(allowed), (n,), generator=gen)].tolist() for n in lengths]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from cache_views import cache_reads_in_place
+from conftest import ordinary_ids
 
 from engine import DecodeParams, Engine, RequestError, load_model
 from engine.models.packing import PackedTokens
@@ -17,55 +18,61 @@ from engine.models.packing import PackedTokens
 
 @pytest.fixture(scope="module")
 def sdar_models(fixtures):
-    """The SDAR fixture checkpoints by their trained block size."""
+    """The SDAR fixture checkpoints by their trained block size, smallest first."""
     found = {}
     for config in sorted((fixtures / "block" / "sdar").glob("*/config.json")):
         found[json.loads(config.read_text())["block_size"]] = load_model(Path(config).parent)
-    return found
+    return dict(sorted(found.items()))
 
 
-PROMPTS = [[215, 202, 216, 211, 148, 172, 237, 134, 9, 17], [5, 6, 7], [235, 68, 229, 67, 67, 38, 192, 143]]
+@pytest.fixture(scope="module")
+def prompts(sdar_models):
+    """Prompts of 10, 3 and 8 tokens of the checkpoints' vocabulary: a prompt's tail falls at
+    different places in the blocks."""
+    return ordinary_ids(next(iter(sdar_models.values())), (10, 3, 8), seed=5)
 
 
 @pytest.mark.parametrize("policy", ["block-static", "block-dynamic", "cai"])
-def test_store_pass_and_ride_along_write_the_same_cache(sdar_models, policy):
+def test_store_pass_and_ride_along_write_the_same_cache(sdar_models, prompts, policy):
     """A finished block's keys/values written by SDAR's store pass or alongside the next block's
     first forward: the same tokens; the store pass costs one forward per block and the prefill."""
-    model = next(iter(sdar_models.values()))
-    engine = Engine.from_model(model, max_batch=len(PROMPTS))
-    base = DecodeParams(policy=policy, gen_length=16, block_length=4, steps=16, threshold=0.5, ignore_eos=True)
-    riding = engine.generate(PROMPTS, base)
-    storing = engine.generate(PROMPTS, base.with_overrides(store_pass=True))
-    for prompt, a, b in zip(PROMPTS, riding, storing, strict=True):
+    block, model = next(iter(sdar_models.items()))
+    engine = Engine.from_model(model, max_batch=len(prompts))
+    gen_length = 4 * block
+    base = DecodeParams(policy=policy, gen_length=gen_length, block_length=block, steps=gen_length, threshold=0.5,
+                        ignore_eos=True)
+    riding = engine.generate(prompts, base)
+    storing = engine.generate(prompts, base.with_overrides(store_pass=True))
+    for prompt, a, b in zip(prompts, riding, storing, strict=True):
         assert a.generated_ids == b.generated_ids
-        blocks = -(-(len(prompt) + 16) // 4) - len(prompt) // 4
-        assert b.stats.nfe == a.stats.nfe + blocks + (len(prompt) >= 4)
+        blocks = -(-(len(prompt) + gen_length) // block) - len(prompt) // block
+        assert b.stats.nfe == a.stats.nfe + blocks + (len(prompt) >= block)
 
 
 @pytest.mark.parametrize("policy", ["block-static", "block-dynamic", "block-sequential", "cai", "block-edit"])
-def test_the_exact_cache_and_the_window_forward_give_the_same_tokens(sdar_models, policy):
+def test_the_exact_cache_and_the_window_forward_give_the_same_tokens(sdar_models, prompts, policy):
     """Without a cache each step re-runs the row's whole window (LLaDA2.0's generate()); under the
     block-causal mask the exact cache gives the same logits, so the same tokens and forwards."""
-    for model in sdar_models.values():
-        engine = Engine.from_model(model, max_batch=len(PROMPTS))
-        base = DecodeParams(policy=policy, gen_length=16, block_length=4, steps=16, threshold=0.5,
+    for block, model in sdar_models.items():
+        engine = Engine.from_model(model, max_batch=len(prompts))
+        base = DecodeParams(policy=policy, gen_length=4 * block, block_length=block, steps=4 * block, threshold=0.5,
                             editing_threshold=0.3, ignore_eos=True)
-        cached = engine.generate(PROMPTS, base)
-        windows = engine.generate(PROMPTS, base.with_overrides(cache="none"))
+        cached = engine.generate(prompts, base)
+        windows = engine.generate(prompts, base.with_overrides(cache="none"))
         for a, b in zip(cached, windows, strict=True):
             assert a.generated_ids == b.generated_ids
             assert a.stats.nfe == b.stats.nfe
             assert a.stats.token_edits == b.stats.token_edits
 
 
-def test_block_edit_streams_finished_blocks_with_the_logprobs_of_their_final_tokens(sdar_models):
+def test_block_edit_streams_finished_blocks_with_the_logprobs_of_their_final_tokens(sdar_models, prompts):
     """An edit changes a token after it was committed: block-edit reports a block's tokens once the
     block has ended, each with the logprobs of the forward that wrote it."""
-    model = sdar_models[4]
-    engine = Engine.from_model(model, max_batch=len(PROMPTS))
-    params = DecodeParams(policy="block-edit", gen_length=16, block_length=4, threshold=0.5, editing_threshold=0.0,
-                          max_post_steps=3, logprobs=2, ignore_eos=True)
-    ids = [engine.add_request(prompt, params) for prompt in PROMPTS]
+    block, model = next(iter(sdar_models.items()))
+    engine = Engine.from_model(model, max_batch=len(prompts))
+    params = DecodeParams(policy="block-edit", gen_length=4 * block, block_length=block, threshold=0.5,
+                          editing_threshold=0.0, max_post_steps=3, logprobs=2, ignore_eos=True)
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
     streamed: dict[str, list] = {i: [] for i in ids}
     results = {}
     while engine.has_unfinished():
@@ -74,14 +81,14 @@ def test_block_edit_streams_finished_blocks_with_the_logprobs_of_their_final_tok
             if out.result is not None:
                 results[out.request_id] = out.result
     edits = 0
-    for request_id, prompt in zip(ids, PROMPTS, strict=True):
+    for request_id, prompt in zip(ids, prompts, strict=True):
         result = results[request_id]
         outputs = streamed[request_id]
         tokens = [t for out in outputs for t in out.new_token_ids]
         assert tokens == result.generated_ids
-        tail = len(prompt) % 4
+        tail = len(prompt) % block
         for out in outputs[:-1]:  # whole blocks (the first one less the prompt's tail), or nothing
-            assert len(out.new_token_ids) in (0, 4 - tail, 4, 8 - tail, 8)
+            assert len(out.new_token_ids) in (0, block - tail, block, 2 * block - tail, 2 * block)
         logprobs = [lp for out in outputs for lp in out.new_logprobs]
         assert [lp.token_id for lp in logprobs] == tokens == [lp.token_id for lp in result.logprobs]
         assert all(len(lp.top) == 2 and lp.logprob <= 0 for lp in logprobs)
@@ -90,18 +97,19 @@ def test_block_edit_streams_finished_blocks_with_the_logprobs_of_their_final_tok
     assert edits > 0  # editing threshold 0: the test sees edits
 
 
-def test_block_edit_fills_its_block_at_the_step_limit(sdar_models):
-    model = sdar_models[4]
-    engine = Engine.from_model(model, max_batch=len(PROMPTS))
-    params = DecodeParams(policy="block-edit", gen_length=16, block_length=4, threshold=1.0, max_steps_per_block=2,
-                          ignore_eos=True)
-    for prompt, result in zip(PROMPTS, engine.generate(PROMPTS, params), strict=True):
-        blocks = -(-(len(prompt) + 16) // 4) - len(prompt) // 4
+def test_block_edit_fills_its_block_at_the_step_limit(sdar_models, prompts):
+    block, model = next(iter(sdar_models.items()))
+    engine = Engine.from_model(model, max_batch=len(prompts))
+    gen_length = 4 * block
+    params = DecodeParams(policy="block-edit", gen_length=gen_length, block_length=block, threshold=1.0,
+                          max_steps_per_block=2, ignore_eos=True)
+    for prompt, result in zip(prompts, engine.generate(prompts, params), strict=True):
+        blocks = -(-(len(prompt) + gen_length) // block) - len(prompt) // block
         assert result.stats.nfe == 2 * blocks  # one commit, then the limit fills the block
-        assert model.special.mask_id not in result.generated_ids and len(result.generated_ids) == 16
+        assert model.special.mask_id not in result.generated_ids and len(result.generated_ids) == gen_length
 
 
-def test_rows_decode_the_same_batched_and_alone(sdar_models):
+def test_rows_decode_the_same_batched_and_alone(sdar_models, prompts):
     """Rows of different policies, block sizes and prompt tails share steps at different blocks (one
     cached forward, a window row among them), rows finishing and moving slots as they go; every
     cached forward reads the store in place, and feeding different counts, packs its tokens: the
@@ -115,7 +123,7 @@ def test_rows_decode_the_same_batched_and_alone(sdar_models):
               DecodeParams(policy="block-edit", gen_length=16, block_length=4, threshold=0.6, editing_threshold=0.2),
               DecodeParams(policy="block-dynamic", gen_length=16, block_length=4, steps=8, cache="none",
                            eos_early_stop=True, block_attention="additive_01")]
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    prompts = [prompts[i % len(prompts)] for i in range(len(params))]
     engine = Engine.from_model(model, max_batch=3)
     mlp_tokens, packed_totals = [], []
     mlp, from_counts = model.layers[0].mlp, PackedTokens.from_counts
@@ -177,15 +185,19 @@ def test_the_canvas_lies_on_the_block_grid_from_position_0_for_any_gen_length(sd
 
 
 def test_a_canvas_of_the_same_blocks_decodes_the_same_tokens_whatever_gen_length_says(sdar_models):
-    """gen_length 30 and 32 after an 8-token prompt with block 8 lay out the same canvas (40 positions):
-    the same forwards and tokens, the response cut at gen_length; with eos_early_stop, an end token
-    past gen_length (in the last block) ends the row at the same step, its response cut there too."""
-    model = sdar_models[8]
-    prompt = PROMPTS[2]
+    """gen_length 4 blocks and 4 blocks less 2 after a one-block prompt lay out the same canvas (5
+    blocks, with the largest trained block): the same forwards and tokens, the response cut at
+    gen_length; with eos_early_stop, an end token past gen_length (in the last block) ends the row at
+    the same step, its response cut there too."""
+    block, model = list(sdar_models.items())[-1]
+    assert block > 2, "the cut gen_length must end inside the last block"
+    [prompt] = ordinary_ids(model, (block,), seed=6)
     engine = Engine.from_model(model)
+    whole = 4 * block
     for knobs in ({"ignore_eos": True}, {"eos_early_stop": True}):
-        full, cut = (engine.generate([prompt], DecodeParams(policy="block-dynamic", gen_length=n, block_length=8,
-                                                            steps=32, threshold=0.5, **knobs))[0] for n in (32, 30))
-        assert cut.generated_ids == full.generated_ids[:30]
+        full, cut = (engine.generate([prompt], DecodeParams(policy="block-dynamic", gen_length=n, block_length=block,
+                                                            steps=whole, threshold=0.5, **knobs))[0]
+                     for n in (whole, whole - 2))
+        assert cut.generated_ids == full.generated_ids[:whole - 2]
         assert cut.stats.nfe == full.stats.nfe
-    assert engine.default_params(DecodeParams(gen_length=30)).block_length == 8  # the trained block, always
+    assert engine.default_params(DecodeParams(gen_length=whole - 2)).block_length == block  # the trained block
