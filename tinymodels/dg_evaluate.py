@@ -11,7 +11,9 @@ one torch generator seeded with `--seed` for every draw, as the official loop dr
 generator (so a row's draws depend on its batch). Graded by `tinymodels.checker` on the response up
 to its first end token. Reported: accuracy with a 95 % Wilson interval, by kind, responses that do not
 parse, the official per-row decoder-pass counter (`passes`: steps at whose start the row had neither
-stopped nor ended) per request and per generated token, and the batched decoder calls.
+stopped nor ended) per request and per generated token, tokens per forward (TPF: generated tokens
+over those passes, `tinymodels.aup`), and the batched decoder calls. AUP needs a curve of
+configurations: `cai-dllm eval` gives it for its table; this loop decodes one configuration.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ from typing import Any, Optional
 import torch
 
 from engine import load_model, load_tokenizer
+from engine.bundled import model_dir
 from engine.chat import chat_prompt_ids
 from engine.decoding.draws import GeneratorDraws
 from engine.models.diffusion_gemma import DiffusionGemmaModel
 from engine.user_text import encode_prompt_text
+from tinymodels.aup import tokens_per_forward
 from tinymodels.checker import graded_part, is_correct
 from tinymodels.dg_reference import OfficialSettings, generate
 from tinymodels.evaluate import held_out_problems, model_mix, wilson_interval
@@ -59,6 +63,7 @@ class OfficialReport:
                 "accuracy_by_kind": {k: c / t for k, (c, t) in sorted(self.by_kind.items())},
                 "passes_per_request": self.passes / max(1, self.n),
                 "passes_per_generated_token": self.passes / max(1, self.generated_tokens),
+                "tokens_per_forward": tokens_per_forward(self.generated_tokens, self.passes),
                 "hardware": f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"}
 
 
@@ -122,8 +127,13 @@ def format_report(report: OfficialReport) -> str:
     kinds = ", ".join(f"{k} {100 * a:.1f}%" for k, a in d["accuracy_by_kind"].items())
     return (f"{report.prompt_form}: {100 * d['accuracy']:.1f}% ({100 * low:.1f}-{100 * high:.1f}) of {report.n}; "
             f"{kinds}; unparsed {report.unparsed}; decoder passes/request {d['passes_per_request']:.1f}, "
-            f"/generated token {d['passes_per_generated_token']:.3f}; batched decoder calls "
+            f"/generated token {d['passes_per_generated_token']:.3f}; TPF {_tpf(d['tokens_per_forward'])}; "
+            f"batched decoder calls "
             f"{report.decoder_calls} over {report.canvases} canvases; {report.seconds:.0f} s")
+
+
+def _tpf(value: Optional[float]) -> str:
+    return "–" if value is None else f"{value:.2f}"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -145,7 +155,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     model = load_model(args.model)
     if not isinstance(model, DiffusionGemmaModel):
         parser.error(f"{args.model} is not a DiffusionGemma checkpoint")
-    gen = json.loads((Path(args.model) / "generation_config.json").read_text())
+    gen = json.loads((model_dir(args.model) / "generation_config.json").read_text())
     settings = OfficialSettings.from_generation_config(gen)
     settings = replace(settings, **{k: getattr(args, k) for k in overrides if getattr(args, k) is not None})
     problems = held_out_problems(args.n, args.seed, model_mix(args.model))

@@ -6,8 +6,10 @@ sends them) or plain (the bare problem text, as `/v1/completions` sends it), and
 
 For each configuration: exact-match accuracy with a 95 % Wilson interval, accuracy by task kind,
 responses that do not parse, mean NFE per request, NFE per generated token, NFE excluding blocks
-that are all end tokens, steps saved against the fixed budget, and generated tokens per second
-(wall clock; generated tokens only: the response up to and including its end token).
+that are all end tokens, steps saved against the fixed budget, tokens per forward (TPF) and
+accuracy under parallelism (AUP, d3LLM's score, against the table's first row: `tinymodels.aup`),
+and generated tokens per second (wall clock; generated tokens only: the response up to and
+including its end token, as TPF counts them).
 """
 
 from __future__ import annotations
@@ -18,16 +20,17 @@ import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from engine.bundled import model_dir
 from engine.chat import chat_prompt_ids
 from engine.decoding import DecodeParams, GenerationResult
 from engine.engine import Engine
 from engine.models.registry import FAMILIES
 from engine.user_text import encode_prompt_text
+from tinymodels.aup import table_aup, tokens_per_forward
 from tinymodels.checker import graded_part, is_correct
 from tinymodels.prompt_forms import PROMPT_FORMS
 from tinymodels.tasks import DEFAULT_MIX, Problem, sample
@@ -129,6 +132,7 @@ class ConfigReport:
             "nfe_per_request": self.nfe / max(1, self.n),
             "nfe_per_request_content_blocks": self.nfe_content / max(1, self.n),
             "nfe_per_generated_token": self.nfe / max(1, self.generated_tokens),
+            "tokens_per_forward": tokens_per_forward(self.generated_tokens, self.nfe),
             "steps_saved_pct": 100 * self.steps_saved / max(1, self.fixed_budget),
             "generated_tokens_per_s": self.generated_tokens / max(1e-9, self.seconds),
             "forced_commits_per_request": self.forced / max(1, self.n),
@@ -221,7 +225,7 @@ def model_mix(model: str) -> dict[str, float]:
     """The task mix a built-in model was trained on, as its training log records it (a model is
     asked about the kinds it learned); DEFAULT_MIX for a checkpoint without one."""
     try:
-        log = json.loads((Path(model) / "training_log.json").read_text())
+        log = json.loads((model_dir(model) / "training_log.json").read_text())
         mix = log["config"]["mix"]
     except (OSError, ValueError, KeyError, TypeError):
         return dict(DEFAULT_MIX)
@@ -241,15 +245,34 @@ def format_kind_table(reports: Sequence[ConfigReport]) -> str:
     return "\n".join(lines)
 
 
+def table_dicts(reports: Sequence[ConfigReport]) -> list[dict[str, Any]]:
+    """Each configuration's report with its AUP against the table's first row (`tinymodels.aup`):
+    `aup`, and `aup_counted`, false where the row is more than 5 points below the first and only the
+    first row's point made its AUP."""
+    rows = [r.as_dict() for r in reports]
+    scores = table_aup([(d["tokens_per_forward"], 100 * d["accuracy"]) for d in rows])
+    return [{**d, "aup": score.aup, "aup_counted": score.counted, "aup_baseline": rows[0]["name"]}
+            for d, score in zip(rows, scores, strict=True)]
+
+
 def format_table(reports: Sequence[ConfigReport]) -> str:
     header = (f"| {'configuration':32s} | accuracy (95% CI) | NFE/req | NFE/req content | NFE/token | "
-              f"steps saved | tok/s | unparsed |")
-    lines = [header, "|" + "---|" * 8]
-    for r in reports:
-        d = r.as_dict()
+              f"steps saved | TPF | AUP | tok/s | unparsed |")
+    lines = [header, "|" + "---|" * 10]
+    rows = table_dicts(reports)
+    for d in rows:
         low, high = d["accuracy_95ci"]
-        lines.append(f"| {r.name:32s} | {100 * d['accuracy']:5.1f}% ({100 * low:.1f}–{100 * high:.1f}) | "
+        tpf = "–" if d["tokens_per_forward"] is None else f"{d['tokens_per_forward']:.2f}"
+        aup = "–" if d["aup"] is None else f"{d['aup']:.1f}{'' if d['aup_counted'] else '†'}"
+        lines.append(f"| {d['name']:32s} | {100 * d['accuracy']:5.1f}% ({100 * low:.1f}–{100 * high:.1f}) | "
                      f"{d['nfe_per_request']:7.1f} | {d['nfe_per_request_content_blocks']:15.1f} | "
-                     f"{d['nfe_per_generated_token']:9.3f} | {d['steps_saved_pct']:10.1f}% | "
-                     f"{d['generated_tokens_per_s']:5.0f} | {r.unparsed:8d} |")
+                     f"{d['nfe_per_generated_token']:9.3f} | {d['steps_saved_pct']:10.1f}% | {tpf:>5} | {aup:>7} | "
+                     f"{d['generated_tokens_per_s']:5.0f} | {d['unparsed']:8d} |")
+    if rows:
+        dropped = any(d["aup"] is not None and not d["aup_counted"] for d in rows)
+        lines.append("")  # a line right below a markdown table would be read as one more row
+        lines.append(f"TPF: generated tokens per forward. AUP: d3LLM's accuracy under parallelism (arXiv:2601.07568), "
+                     f"each row over two points, the first row ({rows[0]['name']}) and its own"
+                     + ("; †: more than 5 points below the first row, so only the first row's point counts"
+                        if dropped else "") + ".")
     return "\n".join(lines)

@@ -22,7 +22,8 @@ def add_parser(sub: Any) -> None:
                          "(as /v1/completions)")
     add_engine_flags(ev, ("max_batch",), max_batch="batch_size")
     ev.add_argument("--configs", help="';'-separated: configuration names, JSON objects of decoding knobs, or "
-                                      "profile:FILE (a decoding profile, e.g. from `cai-dllm calibrate`)")
+                                      "profile:FILE (a decoding profile, e.g. from `cai-dllm calibrate`); the first "
+                                      "is the baseline every row's AUP is measured from")
     ev.add_argument("--gen-length", type=int, default=128, help="generation canvas of every configuration")
     ev.add_argument("--block-length", type=int, help="block length of every configuration (default: 32; a "
                                                      "block-diffusion model's trained block)")
@@ -44,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
         hardware,
         held_out_problems,
         model_mix,
+        table_dicts,
     )
     from tinymodels.tasks import format_mix
 
@@ -94,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
             json.dump({"model": args.model, "n": args.n, "seed": args.seed, "prompt_form": args.prompt_form,
                        "mix": mix, "quantization": args.quantization, "quantize_head": args.quantize_head,
                        "hardware": hardware(),
-                       "batch_size": args.batch_size, "configs": [r.as_dict() for r in reports]}, f, indent=1)
+                       "batch_size": args.batch_size, "configs": table_dicts(reports)}, f, indent=1)
     return 0
 
 

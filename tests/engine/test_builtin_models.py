@@ -99,7 +99,10 @@ def test_eval_cli_small_n(tmp_path):
     assert report["configs"][3]["params"] == {"gen_length": 128, **knobs}
     for config in report["configs"]:
         assert {"accuracy", "accuracy_95ci", "nfe_per_request", "nfe_per_generated_token", "steps_saved_pct",
-                "generated_tokens_per_s", "accuracy_by_kind", "unparsed"} <= set(config)
+                "generated_tokens_per_s", "accuracy_by_kind", "unparsed", "tokens_per_forward", "aup"} <= set(config)
+        assert config["tokens_per_forward"] == pytest.approx(1 / config["nfe_per_generated_token"])
+        assert config["aup"] > 0 and config["aup_baseline"] == "fixed+exit"
+    assert "| TPF | AUP | tok/s |" in run.stdout
     assert report["hardware"]
 
 
