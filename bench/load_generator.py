@@ -4,8 +4,12 @@
 Requests are streamed (so time to first token is measured as the client sees it) with
 `stream_options.include_usage`, either at a fixed concurrency (closed loop) or at a Poisson request
 rate (open loop). The report has request and output-token throughput, TTFT and end-to-end latency
-(mean, p50, p90, p99), errors by status, the server-reported NFE per generated token, steps saved
-and joules per token, and, on the built-in dataset, exact-match accuracy next to the speed.
+(mean, p50, p90, p99), errors by status, steps saved and joules per token, and, on the built-in
+dataset, exact-match accuracy next to the speed. A diffusion-decoding block (vLLM's `bench serve`
+prints one) gives tokens per forward (TPF), generated tokens per step and steps per block (a
+uniform-noise model: per canvas) from each response's own `decoding` summary and usage, and AUP
+(d3LLM's accuracy under parallelism, `tinymodels.aup`) over this run's point and, given one, a
+baseline run's.
 
 The client is aiohttp, as in vLLM's serving benchmark: on a 2-core CPU that also runs the server,
 httpx's async client added ~2.5 ms to each request's round trip (docs/server.md), time and CPU
@@ -26,6 +30,8 @@ from typing import Any, Optional
 
 import aiohttp
 from tqdm import tqdm
+
+from tinymodels.aup import accuracy_under_parallelism, counted_points, tokens_per_forward
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,8 @@ class RequestOutcome:
     prompt_tokens: int = 0
     text: str = ""
     nfe: int = 0
+    steps: int = 0
+    blocks: int = 0
     steps_saved: int = 0
     fixed_step_budget: int = 0
     joules: Optional[float] = None
@@ -70,6 +78,11 @@ class LoadReport:
     ttft_s: dict[str, float]
     e2e_latency_s: dict[str, float]
     nfe_per_token: Optional[float]
+    tokens_per_forward: Optional[float]
+    tokens_per_step: Optional[float]
+    steps_per_block: Optional[float]
+    aup: Optional[float]
+    aup_baseline: Optional[dict[str, float]]  # the baseline run's tokens_per_forward and accuracy, when given
     steps_saved_share: Optional[float]
     joules_per_token: Optional[float]
     accuracy: Optional[float]
@@ -166,6 +179,8 @@ async def send(session: aiohttp.ClientSession, base_url: str, model: str, reques
                     summary = choice.get("decoding")
                     if summary:
                         outcome.nfe += summary["nfe"]
+                        outcome.steps += summary["steps"]
+                        outcome.blocks += summary["blocks"]
                         outcome.steps_saved += summary["steps_saved"]
                         outcome.fixed_step_budget += summary["fixed_step_budget"]
                         if summary.get("energy_joules") is not None:
@@ -188,7 +203,8 @@ async def run_load(base_url: str, workload: list[LoadRequest], num_requests: int
                    concurrency: Optional[int] = None, request_rate: Optional[float] = None,
                    decoding: Optional[dict[str, Any]] = None, model: Optional[str] = None,
                    max_tokens: Optional[int] = None, api_key: Optional[str] = None, seed: int = 0,
-                   timeout: float = 600.0, progress: bool = True) -> LoadReport:
+                   timeout: float = 600.0, progress: bool = True,
+                   aup_baseline: Optional[dict[str, float]] = None) -> LoadReport:
     if (concurrency is None) == (request_rate is None):
         raise ValueError("give exactly one of concurrency or request_rate")
     if (concurrency is not None and concurrency < 1) or (request_rate is not None and request_rate <= 0):
@@ -223,20 +239,27 @@ async def run_load(base_url: str, workload: list[LoadRequest], num_requests: int
                     await asyncio.sleep(rng.expovariate(request_rate))
                 outcomes = await asyncio.gather(*tasks)
             duration = time.perf_counter() - started
-    return summarise(base_url, model, chosen, list(outcomes), duration, concurrency, request_rate)
+    return summarise(base_url, model, chosen, list(outcomes), duration, concurrency, request_rate, aup_baseline)
 
 
 def summarise(base_url: str, model: str, requests: list[LoadRequest], outcomes: list[RequestOutcome],
-              duration: float, concurrency: Optional[int], request_rate: Optional[float]) -> LoadReport:
+              duration: float, concurrency: Optional[int], request_rate: Optional[float],
+              aup_baseline: Optional[dict[str, float]] = None) -> LoadReport:
+    """The report; `aup_baseline` ({"tokens_per_forward", "accuracy"} of an earlier report, e.g. the
+    one-token-per-step decoder's) is the first point of AUP's curve, this run the second."""
     done = [o for o in outcomes if o.ok]
     tokens = sum(o.completion_tokens for o in done)
     nfe = sum(o.nfe for o in done)
+    steps = sum(o.steps for o in done)
+    blocks = sum(o.blocks for o in done)
     budget = sum(o.fixed_step_budget for o in done)
     metered = [o for o in done if o.joules is not None]
     metered_tokens = sum(o.completion_tokens for o in metered)
     graded = [is_correct(r, o.text) for r, o in zip(requests, outcomes, strict=True) if o.ok]
     graded = [g for g in graded if g is not None]
     errors = Counter(_error_label(o) for o in outcomes if not o.ok)
+    accuracy = sum(graded) / len(graded) if graded else None
+    tpf = tokens_per_forward(tokens, nfe)
     return LoadReport(
         base_url=base_url, model=model, num_requests=len(outcomes), concurrency=concurrency,
         request_rate=request_rate, duration_s=duration, completed=len(done), errors_by_status=dict(errors),
@@ -245,10 +268,25 @@ def summarise(base_url: str, model: str, requests: list[LoadRequest], outcomes: 
         ttft_s=percentiles([o.ttft for o in done if o.ttft is not None]),
         e2e_latency_s=percentiles([o.latency for o in done]),
         nfe_per_token=nfe / tokens if tokens else None,
+        tokens_per_forward=tpf, tokens_per_step=tokens / steps if steps else None,
+        steps_per_block=steps / blocks if blocks else None,
+        aup=run_aup(tpf, accuracy, aup_baseline), aup_baseline=aup_baseline,
         steps_saved_share=sum(o.steps_saved for o in done) / budget if budget else None,
         joules_per_token=sum(o.joules or 0.0 for o in metered) / metered_tokens if metered_tokens else None,
-        accuracy=sum(graded) / len(graded) if graded else None, answered=len(graded),
+        accuracy=accuracy, answered=len(graded),
         outcomes=[asdict(o) for o in outcomes])
+
+
+def run_aup(tpf: Optional[float], accuracy: Optional[float],
+            baseline: Optional[dict[str, float]]) -> Optional[float]:
+    """AUP over the baseline's point (when given) and this run's, accuracies as fractions; y_max the
+    better of the two. None without graded answers or forwards."""
+    if tpf is None or accuracy is None:
+        return None
+    points = [(tpf, 100 * accuracy)]
+    if baseline is not None:
+        points.insert(0, (baseline["tokens_per_forward"], 100 * baseline["accuracy"]))
+    return accuracy_under_parallelism(points, max(y for _, y in points))
 
 
 def _error_label(outcome: RequestOutcome) -> str:
@@ -274,11 +312,25 @@ def format_report(report: LoadReport) -> str:
         if stats:
             lines.append(f"{name:<24} mean {stats['mean']:.3f}  p50 {stats['p50']:.3f}  p90 {stats['p90']:.3f}"
                          f"  p99 {stats['p99']:.3f} s")
+    base = report.aup_baseline
+    curve = "over this run alone: TPF x accuracy"
+    if base is not None:
+        curve = (f"from the baseline (TPF {base['tokens_per_forward']:.2f}, {100 * base['accuracy']:.1f} %) "
+                 "to this run")
+        if report.aup is not None and report.accuracy is not None and report.tokens_per_forward is not None:
+            this = (report.tokens_per_forward, 100 * report.accuracy)
+            if this not in counted_points([(base["tokens_per_forward"], 100 * base["accuracy"]), this]):
+                curve += ", which is more than 5 points below it: only the baseline's point counts"
     lines += [
-        f"NFE per generated token  {fmt(report.nfe_per_token)}",
         f"steps saved              {fmt(report.steps_saved_share, '.1f', 100)} %",
         f"joules per token         {fmt(report.joules_per_token, '.4f')}",
         f"exact match              {fmt(report.accuracy, '.1f', 100)} %"
         f" of {report.answered}",
+        "-- diffusion decoding (from each response's decoding summary and usage) --",
+        f"tokens per forward (TPF) {fmt(report.tokens_per_forward, '.2f')}  (generated tokens / forward passes)",
+        f"NFE per generated token  {fmt(report.nfe_per_token)}",
+        f"tokens per step          {fmt(report.tokens_per_step, '.2f')}",
+        f"steps per block/canvas   {fmt(report.steps_per_block, '.2f')}",
+        f"AUP                      {fmt(report.aup, '.1f')}  (d3LLM, arXiv:2601.07568; {curve})",
     ]
     return "\n".join(lines)

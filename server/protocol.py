@@ -160,6 +160,7 @@ class DecodingSummary(BaseModel):
 
     nfe: int
     steps: int
+    blocks: int  # blocks decoded (a uniform-noise model: canvases); steps / blocks = steps per block
     steps_saved: int
     fixed_step_budget: int
     forced_commits: int

@@ -42,6 +42,11 @@ class RequestStats:
         return sum(self.steps_per_block)
 
     @property
+    def blocks(self) -> int:
+        """Blocks (a uniform-noise model: canvases) decoded: one entry of `steps_per_block` each."""
+        return len(self.steps_per_block)
+
+    @property
     def steps_saved(self) -> int:
         """Steps below the fixed budget (blocks skipped by early exit count as saved); 0 when the row
         took more steps than the budget (a threshold policy may), never negative: `steps` says how many."""

@@ -58,6 +58,10 @@ def test_bench_serve_against_the_real_server(tmp_path):
         assert report["ttft_s"]["p50"] <= report["e2e_latency_s"]["p50"]
         assert 0 < report["nfe_per_token"] and report["answered"] == 12
         assert all(o["text"] and o["completion_tokens"] > 0 for o in report["outcomes"])
+        assert report["tokens_per_forward"] == pytest.approx(1 / report["nfe_per_token"])
+        assert report["steps_per_block"] >= 1 and report["aup"] > 0 and "tokens per forward (TPF)" in run.stdout
+        baseline, baseline_tpf = tmp_path / "baseline.json", report["tokens_per_forward"]
+        baseline.write_text(out.read_text())
         refused = subprocess.run([sys.executable, "-m", "server.cli", "bench", "serve", "--base-url", base,
                                   "--num-requests", "3", "--concurrency", "2", "--decoding", '{"threshold": 7}',
                                   "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -66,9 +70,10 @@ def test_bench_serve_against_the_real_server(tmp_path):
         assert report["errors_by_status"] == {"400": 3}
         assert "threshold" in report["outcomes"][0]["error"]
         rate = subprocess.run([sys.executable, "-m", "server.cli", "bench", "serve", "--base-url", base,
-                               "--num-requests", "6", "--request-rate", "20", "--max-tokens", "32"],
-                              cwd=REPO, capture_output=True, text=True, timeout=300)
+                               "--num-requests", "6", "--request-rate", "20", "--max-tokens", "32",
+                               "--aup-baseline", str(baseline)], cwd=REPO, capture_output=True, text=True, timeout=300)
         assert rate.returncode == 0 and "request rate 20.0/s" in rate.stdout, rate.stderr
+        assert f"from the baseline (TPF {baseline_tpf:.2f}" in rate.stdout
 
 
 def test_bench_serve_says_when_the_server_cannot_be_reached():
