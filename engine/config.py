@@ -48,7 +48,7 @@ class EngineConfig:
     # the group is declared failed: above the slowest step, so only a hang or a death trips it
     distributed_timeout: float = 120.0
     # exact prefix caching across requests (vLLM's --enable-prefix-caching; engine.prefix_cache): None
-    # is on where the model's decoding mode allows it (block diffusion) and off elsewhere; True where
+    # is on where the model's decoding mode allows it (block and uniform-noise diffusion) and off elsewhere; True where
     # it does not (masked diffusion: a prompt's keys depend on what follows it) is refused at start-up
     enable_prefix_caching: Optional[bool] = None
     # the prefix cache's memory on the device, in GiB (per rank under tensor parallelism); None: a

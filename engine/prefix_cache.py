@@ -1,4 +1,5 @@
-"""Exact prefix caching across requests, for block-diffusion models (SDAR, LLaDA2).
+"""Exact prefix caching across requests, for block-diffusion models (SDAR, LLaDA2) and uniform-noise
+ones (DiffusionGemma).
 
 Under block-causal attention, with blocks counted from a row's first token, the keys and values of
 a whole block depend only on the tokens up to its end: two rows that share their first k blocks
@@ -15,6 +16,15 @@ each layer's keys and values of the block on the device, under a byte budget wit
   clean tokens) goes in. A block being denoised is never inserted: a row's cache holds only final
   blocks (`Request.cached`).
 
+DiffusionGemma's encoder is causal over the prompt and each committed canvas, so the same holds for
+its blocks of `canvas_length` positions from position 0 (engine.uniform_mode); its cache
+(`Gemma4Cache`) keeps full and sliding layers in different shapes and only a window of positions in
+the sliding ones, so it reads and writes its own blocks (`Gemma4Cache.read_block`, `write_prefix`),
+flattened into one tensor per block, and keeps each slot's last encoder pass for the insert to read.
+A whole prompt may be restored (its prefill then encodes nothing); a block whose sliding-layer keys
+its cache no longer holds is not inserted (a canvas straddling two encoder passes when the window is
+shorter than the canvas).
+
 Copies are synchronous on the stepping thread (stream-ordered on a GPU), so eviction never touches
 a block a request is still copying, and never a row's own cache (a slot's store is its own memory).
 Every decision is a function of the sequence of requests and steps alone, so the ranks of a
@@ -28,11 +38,15 @@ import hashlib
 import os
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import Optional, Union
 
 import torch
 
+from engine.models.gemma4_cache import Gemma4Cache
 from engine.models.kv_cache import KVStore
 from engine.request import Request
+
+Store = Union[KVStore, Gemma4Cache]
 
 _BYTES_PER_GB = 1 << 30
 DEFAULT_SHARE = 0.1  # of the device's memory, when no budget is given
@@ -96,11 +110,13 @@ class PrefixCache:
         """Rows decoded against their exact cache (a window forward caches nothing)."""
         return request.params.cache == "exact"
 
-    def restore(self, request: Request, store: KVStore) -> int:
+    def restore(self, request: Request, store: Store) -> int:
         """Copy the longest cached chain of the request's whole prompt blocks into its slot; the
         row's cache then holds them. Returns the tokens restored."""
         if not self.applies(request):
             return 0
+        if isinstance(store, Gemma4Cache):
+            store.keep_passes()
         block = request.block_length
         hashes = block_hashes(request.prompt_ids[:request.origin], block, chain_root(block))
         found = []
@@ -114,14 +130,17 @@ class PrefixCache:
         if not found:
             return 0
         self._touch(request.block_hashes)
-        write_prefix(store, request.slot, found)
+        if isinstance(store, Gemma4Cache):
+            store.write_prefix(request.slot, found, block)
+        else:
+            write_prefix(store, request.slot, found)
         restored = len(found) * block
         self.hits += restored
         request.cached = restored
         request.stats.cached_tokens = restored
         return restored
 
-    def insert(self, requests: Iterable[Request], store: KVStore) -> None:
+    def insert(self, requests: Iterable[Request], store: Store) -> None:
         """Cache every final whole block of these rows' exact caches not cached yet (call after a
         step, before the next admission reuses a finished row's slot)."""
         for request in requests:
@@ -136,8 +155,9 @@ class PrefixCache:
             for i, digest in enumerate(block_hashes(ids, block, parent)):
                 hashes.append(digest)
                 if digest not in self.blocks:
-                    start = known + i * block
-                    self._add(digest, read_block(store, request.slot, start, start + block))
+                    kv = _read(store, request, known + i * block, block)
+                    if kv is not None:
+                        self._add(digest, kv)
             self._touch(hashes)
 
     def _touch(self, chain: Sequence[bytes]) -> None:
@@ -160,6 +180,13 @@ class PrefixCache:
     def clear(self) -> None:
         self.blocks.clear()
         self.bytes_held = 0
+
+
+def _read(store: Store, request: Request, start: int, block: int) -> Optional[torch.Tensor]:
+    """A copy of the row's keys and values of the block at `start` (None: its cache no longer has them)."""
+    if isinstance(store, Gemma4Cache):
+        return store.read_block(request.slot, start, start + block, request.cached)
+    return read_block(store, request.slot, start, start + block)
 
 
 def _tokens(request: Request, start: int, end: int) -> list[int]:

@@ -18,6 +18,11 @@ policies, keeps the canvas state in the slots (`engine.uniform_slots`) and commi
 argmax into the slot's canvas. Its summary is the shared one (`engine.summary`): a canvas is
 undecided until committed, so a row streams whole canvases. After an end token in a committed canvas
 nothing more is generated (the official loop pads it out).
+
+Prefix caching (engine.prefix_cache) holds whole blocks of `canvas_length` positions from position 0:
+the encoder is causal, so a position's keys and values depend only on the tokens up to it, and a row
+whose prompt starts with cached blocks has them copied into its cache at admission (`Request.cached`)
+and its prefill encodes only the rest (nothing, when every prompt token is restored).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ _FILTERS = {"top_k": (None, -1, 0), "top_p": (None, 1.0), "min_p": (None, 0.0)}
 class UniformDiffusion(DecodingMode):
     name = "uniform"
     caches = ("exact",)
+    prefix_caching = True  # the causal encoder's keys of a prompt's blocks (module docstring)
     slots_class = UniformSlots
     confidence_bands = False
     slots: UniformSlots
@@ -96,8 +102,17 @@ class UniformDiffusion(DecodingMode):
 
     def plan(self, request: Request) -> RowPlan:
         """The canvas, after the tokens to encode at a canvas's first step."""
-        encoded = 0 if request.step else request.prompt_len if request.block == 0 else self.canvas_length
+        encoded = 0 if request.step else self._to_encode(request)
         return RowPlan(CANVAS, self.canvas_length + encoded, (CANVAS,))
+
+    def _to_encode(self, request: Request) -> int:
+        """At a canvas's first step: the prompt's tokens not restored from the prefix cache, or the
+        canvas committed last."""
+        return request.prompt_len - request.cached if request.block == 0 else self.canvas_length
+
+    def after_step(self, request: Request, plan: RowPlan) -> None:
+        """The cache holds every token before the row's canvas."""
+        request.cached = request.block_start
 
     def ends_inside_block(self, request: Request, end_committed: int) -> bool:
         """A committed canvas with an end token ends the row there."""
@@ -112,13 +127,16 @@ class UniformDiffusion(DecodingMode):
         groups: dict[int, list[Request]] = {}
         for b in starting:
             r = requests[b]
-            groups.setdefault(r.prompt_len if r.block == 0 else length, []).append(r)
+            groups.setdefault(self._to_encode(r), []).append(r)
         for fed, group in groups.items():
-            start = torch.tensor([0 if r.block == 0 else r.block_start - length for r in group])
-            at = to_device(torch.tensor([r.slot for r in group]), slots.device)
+            if fed == 0:  # a prompt restored whole from the prefix cache
+                continue
+            start = torch.tensor([r.block_start - fed for r in group])
+            slot_ids = [r.slot for r in group]
+            at = to_device(torch.tensor(slot_ids), slots.device)
             columns = to_device(start, slots.device)[:, None] + slots.positions[:fed]
             self.model.encode(slots.canvas[at[:, None], columns], slots.store, rows=at,
-                              width=max(r.block_start for r in group))
+                              width=max(r.block_start for r in group), slot_ids=slot_ids)
         fresh = [requests[b] for b in starting]
         at = to_device(torch.tensor([r.slot for r in fresh]), slots.device)
         draws = [slots.draws[r.slot] for r in fresh]

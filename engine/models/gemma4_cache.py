@@ -22,11 +22,18 @@ A pass (`CachePass`) serves one forward over L tokens per row at positions lengt
   The canvas's full-layer keys go to the scratch columns length..length+L-1, beyond `length`: the
   cache's contents are unchanged (the commit pass rewrites those columns with the committed canvas).
 So `width` must be at least max(length) + L for every pass.
+
+Prefix caching (engine.prefix_cache) copies whole blocks of positions out of a slot and back into
+another: `read_block` (every layer's keys and values of a block, flattened) and `write_prefix`. A
+sliding layer's ring no longer holds a block its encoder pass has written past, so a cache told to
+(`keep_passes`) keeps each slot's last encoder pass's sliding keys and values (views of the pass's
+tensors, until the slot's next pass or reset) for the step's insert to read.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -44,6 +51,8 @@ class Gemma4Cache:
     length: torch.Tensor  # [slots] long
     sliding: tuple[bool, ...]
     window: int
+    # slot -> sliding layer -> its last encoder pass's (keys, values) [kv_heads, L, head_dim]; None: not kept
+    passes: Optional[dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = field(default=None)
 
     @classmethod
     def empty(cls, spec: Gemma4Spec, slots: int, width: int, dtype: torch.dtype,
@@ -92,12 +101,72 @@ class Gemma4Cache:
             store[dst] = store[src]
         self.attendable[dst] = self.attendable[src]
         self.length[dst] = self.length[src]
+        if self.passes is not None:
+            self.passes.pop(dst, None)
+            self.passes.pop(src, None)
 
     def reset(self, slot: int) -> None:
         """Empty this slot (a new request takes it). Zeroed by kernels: assigning a Python value would
         copy it from the host and wait for the stream on a GPU."""
         self.length[slot].zero_()
         self.attendable[slot].zero_()
+        if self.passes is not None:
+            self.passes.pop(slot, None)
+
+    def keep_passes(self) -> None:
+        """Keep each slot's last encoder pass's sliding keys and values from now on (module docstring)."""
+        if self.passes is None:
+            self.passes = {}
+
+    def read_block(self, slot: int, start: int, end: int, cached: int) -> Optional[torch.Tensor]:
+        """A copy of every layer's keys and values of `slot` at positions [start, end), flattened in
+        layer order, keys then values, each [kv_heads, end - start, head_dim]; the slot holds [0, cached).
+        None when a sliding layer has them neither in its ring nor in the slot's kept pass."""
+        parts = []
+        for layer, sliding in enumerate(self.sliding):
+            if sliding:
+                held = self._sliding_block(slot, layer, start, end, cached)
+                if held is None:
+                    return None
+                keys, values = held
+            else:
+                keys, values = self.keys[layer][slot, :, start:end], self.values[layer][slot, :, start:end]
+            parts += [keys.reshape(-1), values.reshape(-1)]
+        return torch.cat(parts)
+
+    def _sliding_block(self, slot: int, layer: int, start: int, end: int,
+                       cached: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        kept = (self.passes or {}).get(slot, {}).get(layer)
+        if kept is not None and start >= cached - kept[0].shape[1]:
+            first = cached - kept[0].shape[1]
+            return kept[0][:, start - first:end - first], kept[1][:, start - first:end - first]
+        if start >= cached - self.retained:
+            columns = torch.arange(start, end, device=self.length.device) % self.retained
+            return self.keys[layer][slot][:, columns], self.values[layer][slot][:, columns]
+        return None
+
+    def write_prefix(self, slot: int, blocks: Sequence[torch.Tensor], block: int) -> None:
+        """Make `slot` (just reset) hold positions [0, n) from consecutive blocks of `block` positions
+        (each as `read_block` gives it): the full layers every position, a sliding layer's ring the last
+        `window - 1`."""
+        n = len(blocks) * block
+        flat = torch.stack(list(blocks))  # [blocks, size]
+        offset = 0
+        for layer, sliding in enumerate(self.sliding):
+            _, kv_heads, _, head_dim = self.keys[layer].shape
+            size = kv_heads * block * head_dim
+            for store in (self.keys[layer], self.values[layer]):
+                part = flat[:, offset:offset + size].view(len(blocks), kv_heads, block, head_dim)
+                part = part.transpose(0, 1).reshape(kv_heads, n, head_dim)
+                offset += size
+                if sliding:
+                    kept = min(n, self.retained)
+                    columns = torch.arange(n - kept, n, device=self.length.device) % self.retained
+                    store[slot][:, columns] = part[:, n - kept:]
+                else:
+                    store[slot, :, :n] = part
+        self.attendable[slot, :n] = True
+        self.length[slot].fill_(n)
 
     def ring_positions(self, length: torch.Tensor) -> torch.Tensor:
         """[B, window-1]: the position each ring column holds for rows of these lengths, -1 if none."""
@@ -118,13 +187,15 @@ class CachePass:
     """One forward's view of the cache: positions, masks and every layer's K/V reads and writes (see
     the module docstring). `rows` [B]: the slot of each input row (None: slots 0..B-1, read as views);
     `attendable_new` [B, L]: which new tokens of an encoder pass are real (None: all; a decoder's
-    canvas is always real); `width`: the full-layer columns attended over (None: all of them)."""
+    canvas is always real); `width`: the full-layer columns attended over (None: all of them);
+    `slot_ids`: `rows` as host ints, for a cache that keeps its passes (prefix caching)."""
 
     def __init__(self, cache: Gemma4Cache, batch: int, length: int, *, encoder: bool,
                  rows: Optional[torch.Tensor] = None, attendable_new: Optional[torch.Tensor] = None,
-                 width: Optional[int] = None) -> None:
+                 width: Optional[int] = None, slot_ids: Optional[Sequence[int]] = None) -> None:
         device = cache.attendable.device
         self.cache, self.encoder, self.batch, self.length = cache, encoder, batch, length
+        self.slot_ids = slot_ids if slot_ids is not None or rows is not None else range(batch)
         self.first_rows = rows is None
         self.rows = torch.arange(batch, device=device) if rows is None else rows
         self.width = cache.width if width is None else width
@@ -169,6 +240,9 @@ class CachePass:
             index = torch.remainder(self.positions[:, tail], cache.retained)
             write_kv(cache.keys[layer], k[:, :, tail], index, self.rows)
             write_kv(cache.values[layer], v[:, :, tail], index, self.rows)
+            if cache.passes is not None and self.slot_ids is not None:
+                for b, slot in enumerate(self.slot_ids):
+                    cache.passes.setdefault(slot, {})[layer] = (k[b], v[b])
         else:
             write_kv(cache.keys[layer], k, self.positions, self.rows)
             write_kv(cache.values[layer], v, self.positions, self.rows)

@@ -39,8 +39,8 @@ def add_parser(sub: Any) -> None:
                         help="vLLM's name for --no-cuda-graphs")
     add_setting(engine, "enable_prefix_caching", action=argparse.BooleanOptionalAction,
                 help="reuse the keys and values of prompt blocks computed for earlier requests (block-diffusion "
-                     "models; refused for masked-diffusion ones, docs/server.md)",
-                unset="on for block-diffusion models")
+                     "models and DiffusionGemma; refused for masked-diffusion ones, docs/server.md)",
+                unset="on for block-diffusion models and DiffusionGemma")
     add_setting(engine, "prefix_cache_gb", type=float, help="device memory the prefix cache may hold, GiB (per rank)",
                 unset="a tenth of the device's memory")
     add_setting(engine, "distributed_timeout", type=float,
