@@ -146,19 +146,24 @@ class PrefixCache:
         for request in requests:
             if not self.applies(request):
                 continue
-            block, hashes = request.block_length, request.block_hashes
-            known = len(hashes) * block
-            if request.cached <= known:
-                continue
-            ids = _tokens(request, known, request.cached)
-            parent = hashes[-1] if hashes else chain_root(block)
-            for i, digest in enumerate(block_hashes(ids, block, parent)):
-                hashes.append(digest)
-                if digest not in self.blocks:
-                    kv = _read(store, request, known + i * block, block)
-                    if kv is not None:
-                        self._add(digest, kv)
-            self._touch(hashes)
+            self._insert_row(request, store)
+            if isinstance(store, Gemma4Cache):  # its kept pass is read: no longer held
+                store.drop_pass(request.slot)
+
+    def _insert_row(self, request: Request, store: Store) -> None:
+        block, hashes = request.block_length, request.block_hashes
+        known = len(hashes) * block
+        if request.cached <= known:
+            return
+        ids = _tokens(request, known, request.cached)
+        parent = hashes[-1] if hashes else chain_root(block)
+        for i, digest in enumerate(block_hashes(ids, block, parent)):
+            hashes.append(digest)
+            if digest not in self.blocks:
+                kv = _read(store, request, known + i * block, block)
+                if kv is not None:
+                    self._add(digest, kv)
+        self._touch(hashes)
 
     def _touch(self, chain: Sequence[bytes]) -> None:
         """Mark a chain used, its first block last: eviction takes a chain's tail before its head

@@ -27,7 +27,7 @@ Prefix caching (engine.prefix_cache) copies whole blocks of positions out of a s
 another: `read_block` (every layer's keys and values of a block, flattened) and `write_prefix`. A
 sliding layer's ring no longer holds a block its encoder pass has written past, so a cache told to
 (`keep_passes`) keeps each slot's last encoder pass's sliding keys and values (views of the pass's
-tensors, until the slot's next pass or reset) for the step's insert to read.
+tensors) until the step's insert has read them (`drop_pass`).
 """
 
 from __future__ import annotations
@@ -110,6 +110,10 @@ class Gemma4Cache:
         copy it from the host and wait for the stream on a GPU."""
         self.length[slot].zero_()
         self.attendable[slot].zero_()
+        self.drop_pass(slot)
+
+    def drop_pass(self, slot: int) -> None:
+        """Stop holding the slot's kept pass (read by the step's insert, or the slot emptied)."""
         if self.passes is not None:
             self.passes.pop(slot, None)
 
