@@ -37,7 +37,7 @@ def test_sharded_checkpoint_loads_identically(name, fixtures, tmp_path):
     _shard(fixtures / name, tmp_path / "sharded", parts=3)
     single = load_model(fixtures / name)
     sharded = load_model(tmp_path / "sharded")
-    ids = torch.randint(0, 200, (2, 10), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, single.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(single(ids), sharded(ids))
 
@@ -101,18 +101,25 @@ def test_missing_weight_is_named(llada_copy):
 
 
 def test_misshaped_weight_is_named(llada_copy):
+    name = "model.transformer.blocks.0.k_proj.weight"
+    rows, cols = load_file(llada_copy / "model.safetensors")[name].shape
+
     def edit(t):
-        t["model.transformer.blocks.0.k_proj.weight"] = torch.zeros(32, 64)
+        t[name] = torch.zeros(rows // 2, cols)
     _rewrite_weights(llada_copy, edit)
-    with pytest.raises(CheckpointError, match=r"blocks\.0\.k_proj\.weight has shape \[32, 64\].*\[64, 64\]"):
+    with pytest.raises(CheckpointError,
+                       match=rf"blocks\.0\.k_proj\.weight has shape \[{rows // 2}, {cols}\].*\[{rows}, {cols}\]"):
         load_model(llada_copy)
 
 
 def test_unexpected_weight_is_named(llada_copy):
+    layers = json.loads((llada_copy / "config.json").read_text())["n_layers"]
+    extra = f"model.transformer.blocks.{layers}.q_proj.weight"  # a layer past the last
+
     def edit(t):
-        t["model.transformer.blocks.7.q_proj.weight"] = torch.zeros(64, 64)
+        t[extra] = t["model.transformer.blocks.0.q_proj.weight"].clone()
     _rewrite_weights(llada_copy, edit)
-    with pytest.raises(CheckpointError, match=r"blocks\.7\.q_proj\.weight"):
+    with pytest.raises(CheckpointError, match=rf"blocks\.{layers}\.q_proj\.weight"):
         load_model(llada_copy)
 
 
@@ -137,21 +144,25 @@ def test_tied_head_needs_no_head_weight(llada_copy):
 
 
 def test_gqa_llada(llada_copy):
-    """LLaDA with n_kv_heads < n_heads: the k/v projections shrink and the model still runs."""
+    """LLaDA with fewer KV heads than the fixture's (and than query heads): the k/v projections shrink
+    and the model still runs."""
     config = json.loads((llada_copy / "config.json").read_text())
-    config["n_kv_heads"] = 2
+    heads = config["n_heads"]
+    kv_heads = max(d for d in range(1, config.get("n_kv_heads") or heads) if heads % d == 0)
+    head_dim = config["d_model"] // heads
+    config["n_kv_heads"] = kv_heads
     (llada_copy / "config.json").write_text(json.dumps(config))
 
     def edit(t):
-        for i in range(2):
+        for i in range(config["n_layers"]):
             for proj in ("k_proj", "v_proj"):
                 name = f"model.transformer.blocks.{i}.{proj}.weight"
-                t[name] = t[name][:32].clone()
+                t[name] = t[name][:kv_heads * head_dim].clone()
     _rewrite_weights(llada_copy, edit)
     model = load_model(llada_copy)
-    assert model.config.num_kv_heads == 2
+    assert model.config.num_kv_heads == kv_heads
     # Grouped heads must equal plain multi-head attention with each KV head repeated per group.
-    ids = torch.randint(0, 200, (1, 9), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, config["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(3))
     from engine.models import attention
 
     layer = model.layers[0].attn
@@ -160,8 +171,8 @@ def test_gqa_llada(llada_copy):
     grouped = attention.sdpa_attention(q, k, v, None)
     dense = attention.sdpa_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), None)
     torch.testing.assert_close(grouped, dense)
-    assert layer.qkv_proj.weight.shape[0] == 64 + 32 + 32
-    assert model(ids).shape == (1, 9, 256)
+    assert layer.qkv_proj.weight.shape[0] == config["d_model"] + 2 * kv_heads * head_dim
+    assert model(ids).shape == (1, 9, config["vocab_size"])
 
 
 def test_unknown_dtype(fixtures):

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import json
 import shutil
+from typing import Any
 
 import pytest
 import torch
-from conftest import generate
+from conftest import generate, ordinary_ids
 
 from engine import Engine, RequestError, load_model
 from engine.decoding import DecodeParamError, DecodeParams
 from engine.models.kv_cache import write_kv
 
 
-def _prompts(n: int = 8, seed: int = 0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 245, (length,), generator=gen).tolist() for length in (3, 8, 5, 12, 7, 4, 9, 6)[:n]]
+def _prompts(model: Any, n: int = 8, seed: int = 0) -> list[list[int]]:
+    return ordinary_ids(model, (3, 8, 5, 12, 7, 4, 9, 6)[:n], seed)
 
 
 def _heterogeneous(cache: str) -> list[DecodeParams]:
@@ -37,7 +37,7 @@ def _heterogeneous(cache: str) -> list[DecodeParams]:
 def test_heterogeneous_batch_equals_each_row_alone(llada_model, cache, max_batch):
     """8 rows with different prompt/generation/block lengths, policies and knobs; with max_batch=3
     rows join and leave between steps. Each row gets exactly the tokens it gets alone."""
-    prompts, params = _prompts(), _heterogeneous(cache)
+    prompts, params = _prompts(llada_model), _heterogeneous(cache)
     batched = generate(llada_model, prompts, params, max_batch=max_batch)
     for prompt, p, result in zip(prompts, params, batched, strict=True):
         [alone] = generate(llada_model, [prompt], p)
@@ -46,7 +46,7 @@ def test_heterogeneous_batch_equals_each_row_alone(llada_model, cache, max_batch
 
 
 def test_dream_heterogeneous_batch_with_caches(dream_model):
-    prompts = _prompts(4, seed=1)
+    prompts = _prompts(dream_model, 4, seed=1)
     params = [DecodeParams(policy="dream-entropy", gen_length=32, block_length=8, steps=32, cache="dual"),
               DecodeParams(policy="cai", gen_length=32, block_length=8, cache="prefix"),
               DecodeParams(policy="threshold", gen_length=16, block_length=8, cache="dual", threshold=0.6),
@@ -62,7 +62,7 @@ def _finished(outputs) -> dict:
 
 def test_rows_join_between_steps(llada_model):
     engine = Engine.from_model(llada_model, max_batch=4)
-    prompts = _prompts(3)
+    prompts = _prompts(llada_model, 3)
     params = DecodeParams(policy="cai", gen_length=32, block_length=8)
     engine.add_request(prompts[0], params, "a")
     results = {}
@@ -102,19 +102,33 @@ def test_abort_of_a_waiting_request_is_immediate(llada_model):
         engine.add_request((1, 2), params, "a")
 
 
+def _most_generated_token(model: Any) -> int:
+    """The token the model generates most often on the test prompts (an ordinary id, none of its
+    special ones)."""
+    special = model.special
+    results = generate(model, _prompts(model), DecodeParams(policy="fixed", gen_length=64, block_length=8, steps=64,
+                                                            early_exit=False))
+    counts = torch.bincount(torch.tensor([t for r in results for t in r.generated_ids]),
+                            minlength=model.config.vocab_size)
+    counts[[special.mask_id, *special.end_ids]] = 0
+    return int(counts.argmax())
+
+
 @pytest.fixture(scope="module")
-def llada_eos_common(tmp_path_factory, fixtures):
-    """The tiny LLaDA with token 108 (one it generates often) declared as eos, so rows end early."""
+def llada_eos_common(tmp_path_factory, fixtures, llada_model):
+    """The tiny LLaDA with the token it generates most often declared as eos, so rows end early."""
     path = tmp_path_factory.mktemp("llada-eos") / "llada"
     shutil.copytree(fixtures / "llada_tiny", path)
-    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 252, "eos_token_id": 108}))
+    generation = json.loads((path / "generation_config.json").read_text())
+    generation["eos_token_id"] = _most_generated_token(llada_model)
+    (path / "generation_config.json").write_text(json.dumps(generation))
     return load_model(path)
 
 
 @pytest.mark.parametrize("policy", ["fixed", "threshold", "cai"])
 @pytest.mark.parametrize("cache", ["none", "dual"])
 def test_early_exit_is_lossless_and_saves_forwards(llada_eos_common, policy, cache):
-    prompts = _prompts()
+    prompts = _prompts(llada_eos_common)
     base = DecodeParams(policy=policy, gen_length=64, block_length=8, steps=64, cache=cache)
     with_exit = generate(llada_eos_common, prompts, base)
     without = generate(llada_eos_common, prompts, base.with_overrides(early_exit=False))
@@ -123,7 +137,7 @@ def test_early_exit_is_lossless_and_saves_forwards(llada_eos_common, policy, cac
         if a.end_index is None:
             assert a.generated_ids == b.generated_ids
             continue
-        assert a.finish_reason == "stop" and a.generated_ids[-1] == 108
+        assert a.finish_reason == "stop" and a.generated_ids[-1] == llada_eos_common.special.eos_id
         assert b.generated_ids[:len(a.generated_ids)] == a.generated_ids
         assert a.stats.nfe <= b.stats.nfe
         saved += b.stats.nfe - a.stats.nfe
@@ -134,7 +148,7 @@ def test_early_exit_is_lossless_and_saves_forwards(llada_eos_common, policy, cac
 
 
 def test_temperature_sampling_is_seeded_and_batch_independent(llada_model):
-    prompts = _prompts(4)
+    prompts = _prompts(llada_model, 4)
     params = [DecodeParams(policy="cai", gen_length=16, block_length=8, temperature=1.0, seed=s) for s in range(4)]
     first = generate(llada_model, prompts, params)
     again = generate(llada_model, prompts, params)
@@ -147,8 +161,8 @@ def test_temperature_sampling_is_seeded_and_batch_independent(llada_model):
 
 
 def test_telemetry(llada_model):
-    [result] = generate(llada_model, [_prompts(1)[0]], DecodeParams(policy="cai", gen_length=32, block_length=8,
-                                                                     steps=32, early_exit=False))
+    [result] = generate(llada_model, _prompts(llada_model, 1), DecodeParams(policy="cai", gen_length=32, block_length=8,
+                                                                           steps=32, early_exit=False))
     stats = result.stats
     assert len(stats.steps_per_block) == 4
     assert stats.nfe == sum(stats.steps_per_block) == len(stats.tokens_per_step)
@@ -161,7 +175,7 @@ def test_telemetry(llada_model):
 
 
 def test_cai_saves_steps_against_fixed(llada_model):
-    prompts = _prompts()
+    prompts = _prompts(llada_model)
     fixed = generate(llada_model, prompts, DecodeParams(policy="fixed", gen_length=32, block_length=8, steps=32))
     cai = generate(llada_model, prompts, DecodeParams(policy="cai", gen_length=32, block_length=8, steps=32))
     assert sum(r.stats.nfe for r in cai) < sum(r.stats.nfe for r in fixed)
@@ -169,15 +183,16 @@ def test_cai_saves_steps_against_fixed(llada_model):
 
 def test_request_validation(llada_model):
     engine = Engine.from_model(llada_model)
+    outside = llada_model.config.vocab_size  # the first id past the vocabulary
     with pytest.raises(RequestError, match="empty"):
         engine.add_request((), DecodeParams())
     with pytest.raises(RequestError, match="vocabulary"):
-        engine.add_request((1, 999), DecodeParams())
+        engine.add_request((1, outside), DecodeParams())
     with pytest.raises(RequestError, match="context"):
-        engine.add_request((1,), DecodeParams(gen_length=8192, block_length=64))
+        engine.add_request((1,), DecodeParams(gen_length=-(-(engine.max_model_len + 1) // 64) * 64, block_length=64))
     assert not engine.has_unfinished()
     with pytest.raises(RequestError, match="vocabulary"):  # a batch fails before any work is done
-        engine.generate([[1, 2], [1, 999]], DecodeParams(gen_length=8))
+        engine.generate([[1, 2], [1, outside]], DecodeParams(gen_length=8))
     assert not engine.has_unfinished()
 
 
