@@ -10,6 +10,7 @@ import random
 from pathlib import Path
 
 import pytest
+from conftest import FIXTURES
 from fixture_checkpoints import block_fixture
 
 from engine import DecodeParams, Engine, load_model
@@ -20,10 +21,14 @@ BLOCK_POLICIES = sorted(name for name, policy in POLICIES.items() if "block" in 
 LOGPROB_TOLERANCE = 1e-4  # float32 rounding of forwards of other shapes (as batched vs alone)
 
 
-@pytest.fixture(scope="module", params=["sdar", "sdar_tiny_b8", "llada2"])
+# every block-diffusion fixture checkpoint, as (family, checkpoint folder)
+CHECKPOINTS = [(p.parts[-3], p.parts[-2]) for p in sorted(FIXTURES.glob("block/*/*/config.json"))]
+
+
+@pytest.fixture(scope="module", params=CHECKPOINTS, ids=["/".join(c) for c in CHECKPOINTS])
 def named_model(request, tmp_path_factory):
-    family, name = ("sdar", request.param) if request.param.startswith("sdar_") else (request.param, None)
-    return request.param, load_model(block_fixture(family, tmp_path_factory.mktemp(request.param), name))
+    family, name = request.param
+    return name, load_model(block_fixture(family, tmp_path_factory.mktemp(name), name))
 
 
 @pytest.fixture

@@ -24,7 +24,8 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 def test_inspect_tiny_checkpoint(fixtures):
     out = _run("inspect", str(fixtures / "llada_tiny"))
     assert out.returncode == 0, out.stderr
-    assert "LLaDA" in out.stdout and "float32" in out.stdout and "'mask': 250" in out.stdout
+    mask_id = json.loads((fixtures / "llada_tiny" / "config.json").read_text())["mask_token_id"]
+    assert "LLaDA" in out.stdout and "float32" in out.stdout and f"'mask': {mask_id}" in out.stdout
 
 
 def test_inspect_json_on_real_metadata(fixtures):
@@ -50,17 +51,32 @@ def test_inspect_bad_path_is_a_clear_error(tmp_path, target):
     assert "error:" in out.stderr and "Traceback" not in out.stderr
 
 
+def _plain_llada_golden_run(fixtures: Path) -> dict:
+    """A batch-1 run of the official LLaDA `generate()` with several blocks, no guidance, no padding."""
+    for path in sorted((fixtures / "golden").glob("llada_generate_*.json")):
+        run = json.loads(path.read_text())
+        settings = run["settings"]
+        if len(run["prompt_ids"]) == 1 and not settings.get("cfg_scale") and settings.get("attention_mask") is None \
+                and settings["block_length"] < settings["gen_length"]:
+            return run
+    raise AssertionError("no batch-1 multi-block LLaDA generate() run among the golden files")
+
+
 def test_generate_json_reproduces_llada_golden(fixtures):
-    golden = json.loads((fixtures / "golden" / "llada_generate_b1_steps16.json").read_text())
+    golden = _plain_llada_golden_run(fixtures)
+    settings = golden["settings"]
     ids = ",".join(map(str, golden["prompt_ids"][0]))
     out = _run("generate", "--model", str(fixtures / "llada_tiny"), "--prompt-ids", ids, "--prompt-ids", "1,2,3",
-               "--policy", "fixed", "--gen-length", "32", "--block-length", "8", "--steps", "16",
+               "--policy", "fixed", "--gen-length", str(settings["gen_length"]),
+               "--block-length", str(settings["block_length"]), "--steps", str(settings["steps"]),
                "--no-early-exit", "--json")
     assert out.returncode == 0, out.stderr
     records = [json.loads(line) for line in out.stdout.splitlines()]
     assert len(records) == 2
     assert records[0]["generated_ids"] == golden["generated_ids"][0]
-    assert records[0]["nfe"] == 16 and records[0]["steps_per_block"] == [4, 4, 4, 4]
+    blocks = settings["gen_length"] // settings["block_length"]
+    assert records[0]["nfe"] == golden["nfe"] == settings["steps"]
+    assert records[0]["steps_per_block"] == [settings["steps"] // blocks] * blocks
     assert {"text", "finish_reason", "steps_saved"} <= set(records[0])
 
 
@@ -158,7 +174,8 @@ def test_inspect_block_diffusion_checkpoints(fixtures, llada2_dir):
     llada2 = _run("inspect", str(llada2_dir))
     assert llada2.returncode == 0, llada2.stderr
     assert "LLaDA2" in llada2.stdout and "'mask': 97" in llada2.stdout and "'status': 'ok'" in llada2.stdout
-    assert "8 routed, 2 per token" in llada2.stdout
+    hf = json.loads((llada2_dir / "config.json").read_text())  # the fixture's expert layout
+    assert f"{hf['num_experts']} routed, {hf['num_experts_per_tok']} per token" in llada2.stdout
 
 
 def test_every_cpu_command_takes_threads_with_serves_default():
