@@ -183,7 +183,8 @@ LLADA2_TINY = {"hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 
 def _tiny_llada2(fixtures: Path):
     from engine.models.llada2 import LLaDA2Model
 
-    hf = {**json.loads((fixtures / "block" / "llada2" / "llada2_tiny" / "config.json").read_text()), **LLADA2_TINY}
+    [config] = sorted((fixtures / "block" / "llada2").glob("*/config.json"))  # its field set, these sizes
+    hf = {**json.loads(config.read_text()), **LLADA2_TINY}
     return LLaDA2Model(LLaDA2Model.parse_config(hf), SpecialTokens(mask_id=31, eos_ids=(30,), pad_id=30), hf)
 
 
