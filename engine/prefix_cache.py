@@ -19,8 +19,9 @@ each layer's keys and values of the block on the device, under a byte budget wit
 DiffusionGemma's encoder is causal over the prompt and each committed canvas, so the same holds for
 its blocks of `canvas_length` positions from position 0 (engine.uniform_mode); its cache
 (`Gemma4Cache`) keeps full and sliding layers in different shapes and only a window of positions in
-the sliding ones, so it reads and writes its own blocks (`Gemma4Cache.read_block`, `write_prefix`),
-flattened into one tensor per block, and keeps each slot's last encoder pass for the insert to read.
+the sliding ones. Each store reads and writes its own blocks (`PrefixStore`: `read_block`,
+`write_prefix`); DiffusionGemma's flattens a block into one tensor and keeps each slot's last encoder
+pass for the insert to read.
 A whole prompt may be restored (its prefill then encodes nothing); a block whose sliding-layer keys
 its cache no longer holds is not inserted (a canvas straddling two encoder passes when the window is
 shorter than the canvas).
@@ -38,15 +39,11 @@ import hashlib
 import os
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Optional, Union
+from typing import Optional, Protocol
 
 import torch
 
-from engine.models.gemma4_cache import Gemma4Cache
-from engine.models.kv_cache import KVStore
 from engine.request import Request
-
-Store = Union[KVStore, Gemma4Cache]
 
 _BYTES_PER_GB = 1 << 30
 DEFAULT_SHARE = 0.1  # of the device's memory, when no budget is given
@@ -79,19 +76,21 @@ def chain_root(block: int) -> bytes:
 # ------------------------------------------------------------------ the one contact with the store
 
 
-def write_prefix(store: KVStore, slot: int, blocks: Sequence[torch.Tensor]) -> None:
-    """Copy cached blocks (each [layers, 2, kv_heads, block, head_dim]) into `slot`'s columns [0, n)."""
-    kv = blocks[0] if len(blocks) == 1 else torch.cat(list(blocks), dim=3)
-    n = kv.shape[3]
-    for layer, (keys, values) in enumerate(zip(store.keys, store.values, strict=True)):
-        keys[slot, :, :n] = kv[layer, 0]
-        values[slot, :, :n] = kv[layer, 1]
+class PrefixStore(Protocol):
+    """What the cache needs of a slot store (`KVStore`; DiffusionGemma's `Gemma4Cache`, whose sliding
+    layers keep a ring, so it keeps each slot's last encoder pass for the insert while asked to)."""
 
+    def read_block(self, slot: int, start: int, end: int, cached: int) -> Optional[torch.Tensor]:
+        """A copy of `slot`'s keys and values at positions [start, end) (None: no longer held)."""
 
-def read_block(store: KVStore, slot: int, start: int, end: int) -> torch.Tensor:
-    """A copy of `slot`'s keys and values at columns [start, end): [layers, 2, kv_heads, end - start, head_dim]."""
-    return torch.stack([torch.stack((keys[slot, :, start:end], values[slot, :, start:end]))
-                        for keys, values in zip(store.keys, store.values, strict=True)])
+    def write_prefix(self, slot: int, blocks: Sequence[torch.Tensor], block: int) -> None:
+        """Make `slot` hold positions [0, len(blocks) x block) from cached blocks."""
+
+    def keep_passes(self) -> None:
+        """Keep what a step's insert must read and a forward may overwrite."""
+
+    def drop_pass(self, slot: int) -> None:
+        """The slot's kept pass has been read."""
 
 
 # ------------------------------------------------------------------ the cache
@@ -110,13 +109,12 @@ class PrefixCache:
         """Rows decoded against their exact cache (a window forward caches nothing)."""
         return request.params.cache == "exact"
 
-    def restore(self, request: Request, store: Store) -> int:
+    def restore(self, request: Request, store: PrefixStore) -> int:
         """Copy the longest cached chain of the request's whole prompt blocks into its slot; the
         row's cache then holds them. Returns the tokens restored."""
         if not self.applies(request):
             return 0
-        if isinstance(store, Gemma4Cache):
-            store.keep_passes()
+        store.keep_passes()
         block = request.block_length
         hashes = block_hashes(request.prompt_ids[:request.origin], block, chain_root(block))
         found = []
@@ -130,27 +128,23 @@ class PrefixCache:
         if not found:
             return 0
         self._touch(request.block_hashes)
-        if isinstance(store, Gemma4Cache):
-            store.write_prefix(request.slot, found, block)
-        else:
-            write_prefix(store, request.slot, found)
+        store.write_prefix(request.slot, found, block)
         restored = len(found) * block
         self.hits += restored
         request.cached = restored
         request.stats.cached_tokens = restored
         return restored
 
-    def insert(self, requests: Iterable[Request], store: Store) -> None:
+    def insert(self, requests: Iterable[Request], store: PrefixStore) -> None:
         """Cache every final whole block of these rows' exact caches not cached yet (call after a
         step, before the next admission reuses a finished row's slot)."""
         for request in requests:
             if not self.applies(request):
                 continue
             self._insert_row(request, store)
-            if isinstance(store, Gemma4Cache):  # its kept pass is read: no longer held
-                store.drop_pass(request.slot)
+            store.drop_pass(request.slot)  # read: no longer held
 
-    def _insert_row(self, request: Request, store: Store) -> None:
+    def _insert_row(self, request: Request, store: PrefixStore) -> None:
         block, hashes = request.block_length, request.block_hashes
         known = len(hashes) * block
         if request.cached <= known:
@@ -160,7 +154,8 @@ class PrefixCache:
         for i, digest in enumerate(block_hashes(ids, block, parent)):
             hashes.append(digest)
             if digest not in self.blocks:
-                kv = _read(store, request, known + i * block, block)
+                start = known + i * block
+                kv = store.read_block(request.slot, start, start + block, request.cached)
                 if kv is not None:
                     self._add(digest, kv)
         self._touch(hashes)
@@ -185,13 +180,6 @@ class PrefixCache:
     def clear(self) -> None:
         self.blocks.clear()
         self.bytes_held = 0
-
-
-def _read(store: Store, request: Request, start: int, block: int) -> Optional[torch.Tensor]:
-    """A copy of the row's keys and values of the block at `start` (None: its cache no longer has them)."""
-    if isinstance(store, Gemma4Cache):
-        return store.read_block(request.slot, start, start + block, request.cached)
-    return read_block(store, request.slot, start, start + block)
 
 
 def _tokens(request: Request, start: int, end: int) -> list[int]:

@@ -19,6 +19,7 @@ through `write_columns`: "these keys/values go into slot s at positions [a, b)".
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -67,6 +68,28 @@ class KVStore:
         """Slot `dst` takes slot `src`'s whole cache and key mask (a slot compacted at a release)."""
         self.write_columns(dst, 0, [k[src] for k in self.keys], [v[src] for v in self.values])
         self.key_mask[dst] = self.key_mask[src]
+
+    # ------------------------------------------- the prefix cache's protocol (engine.prefix_cache)
+
+    def read_block(self, slot: int, start: int, end: int, cached: int) -> Optional[torch.Tensor]:
+        """A copy of `slot`'s keys and values at columns [start, end): [layers, 2, kv_heads, end - start,
+        head_dim]. Every column stays where it was written, so `cached` (what the slot holds) is moot."""
+        return torch.stack([torch.stack((keys[slot, :, start:end], values[slot, :, start:end]))
+                            for keys, values in zip(self.keys, self.values, strict=True)])
+
+    def write_prefix(self, slot: int, blocks: Sequence[torch.Tensor], block: int) -> None:
+        """Copy cached blocks (each as `read_block` gives it) into `slot`'s columns [0, len(blocks) x block)."""
+        kv = blocks[0] if len(blocks) == 1 else torch.cat(list(blocks), dim=3)
+        n = kv.shape[3]
+        for layer, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
+            keys[slot, :, :n] = kv[layer, 0]
+            values[slot, :, :n] = kv[layer, 1]
+
+    def keep_passes(self) -> None:
+        """Nothing to keep: no column is overwritten while its slot's request runs (a ring is)."""
+
+    def drop_pass(self, slot: int) -> None:
+        """Nothing kept (`keep_passes`)."""
 
     @property
     def batch(self) -> int:
