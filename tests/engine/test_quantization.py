@@ -83,7 +83,12 @@ def test_quantized_fixture_logits_track_the_official_float_ones(fixtures, name, 
     with torch.no_grad():
         logits = model(data["input_ids"])
     error = ((logits - data["logits"]).norm() / data["logits"].norm()).item()
-    assert 0 < error < LOGITS_TOLERANCE[mode]
+    quantized = [m for m in model.layers.modules() if isinstance(m, nn.Linear) and type(m.weight) is not nn.Parameter]
+    if mode == "int4" and not quantized:  # no row of this checkpoint's layers is a whole number of NF4 blocks
+        assert not any(nf4_fits(m.in_features) for m in model.layers.modules() if isinstance(m, nn.Linear))
+        assert error < 1e-4  # the float model's parity with the official logits
+        return
+    assert quantized and 0 < error < LOGITS_TOLERANCE[mode]
 
 
 def test_the_head_is_quantized_only_when_asked(fixtures):
@@ -214,9 +219,10 @@ def test_block_models_quantize_their_dense_layers_and_track_float(request, famil
                for name in float_linears), float_linears
     experts = [m.experts for m in model.modules() if isinstance(m, SparseMoe)]
     assert (family == "llada2") == bool(experts)
-    for stacked in experts:  # no stacked float weight is left; each expert's gate|up is quantized
+    for stacked in experts:  # no stacked float weight is left; each expert's gate|up is quantized (NF4: if it fits)
         assert stacked.gate_up_proj is None and stacked.quantized is not None
-        assert all(type(pair.gate_up_proj.weight) is not nn.Parameter for pair in stacked.quantized)
+        assert all((type(pair.gate_up_proj.weight) is not nn.Parameter)
+                   == (mode != "int4" or nf4_fits(pair.gate_up_proj.in_features)) for pair in stacked.quantized)
     stored = sum(_stored_bytes(m) if isinstance(m, nn.Linear) and type(m.weight) is not nn.Parameter
                  else sum(p.nbytes for p in m.parameters(recurse=False)) for m in model.modules())
     stored += sum(p.nbytes for m in model.modules() if isinstance(m, nn.Linear) and type(m.weight) is not nn.Parameter
@@ -229,6 +235,9 @@ def test_block_models_quantize_their_dense_layers_and_track_float(request, famil
     with torch.no_grad():
         want, got = reference(ids, block_size=block), model(ids, block_size=block)
     error = ((got - want).norm() / want.norm()).item()
+    if not any(isinstance(m, nn.Linear) and type(m.weight) is not nn.Parameter for m in model.modules()):
+        assert mode == "int4" and error == 0  # no row of this checkpoint is a whole number of NF4 blocks
+        return
     assert 0 < error < (MOE_LOGITS_TOLERANCE if family == "llada2" else LOGITS_TOLERANCE)[mode]
 
 
@@ -247,6 +256,10 @@ def test_quantized_routed_experts_track_the_float_ones(tmp_path, mode):
         weights = torch.full((64, 2), 0.5)
         expected, actual = want(x, ids, weights), got(x, ids, weights)
         error = ((actual - expected).norm() / expected.norm()).item()
+        # NF4 leaves in float a projection whose rows its blocks would straddle (this fixture's widths)
+        if mode == "int4" and not (nf4_fits(want.hidden_size) or nf4_fits(want.intermediate_size)):
+            assert error == 0
+            continue
         assert 0 < error < EXPERT_TOLERANCE[mode]
 
 
