@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from fixture_checkpoints import block_fixture
-from test_tensor_parallel import SIZE, Family, _forward_cases
+from test_tensor_parallel import SIZE, Family, _forward_cases, skip_unless_splittable
 
 from engine import Engine, EngineConfig, load_model
 from engine.errors import TensorParallelError
@@ -20,6 +20,7 @@ def test_quantized_experts_at_tp2_track_the_float_model(tmp_path: Path) -> None:
     quantized per rank, over that rank's columns: not TP1's scales, so not TP1's int8 numbers.)"""
     pytest.importorskip("torchao", reason="int8 needs torchao (pip install 'cai-dllm[quant]')")
     checkpoint = block_fixture("llada2", tmp_path)
+    skip_unless_splittable("llada2", checkpoint)
     engine = Engine(EngineConfig(model=str(checkpoint), tensor_parallel_size=SIZE, quantization="int8"))
     try:
         assert engine.collective_rpc("tp_calls:experts_quantized", results=True) == [True] * SIZE
@@ -40,6 +41,7 @@ def test_quantized_experts_at_tp2_track_the_float_model(tmp_path: Path) -> None:
 
 def test_a_second_tensor_parallel_engine_in_one_process_is_refused(tmp_path: Path) -> None:
     checkpoint = block_fixture("llada2", tmp_path)
+    skip_unless_splittable("llada2", checkpoint)
     engine = Engine(EngineConfig(model=str(checkpoint), tensor_parallel_size=SIZE))
     try:
         with pytest.raises(TensorParallelError, match="already holds a tensor-parallel engine"):
