@@ -14,6 +14,7 @@ from engine import CheckpointError, load_tokenizer
 from engine.loading.checkpoint import CheckpointFiles
 from engine.models import model_class_for
 from engine.models.weight_names import expected_weights
+from engine.special_tokens import MASK_TOKEN_TEXT
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +105,9 @@ def test_special_ids_follow_the_files_not_the_code(real, tmp_path):
     assert special.mask_id == 7 and special.eos_ids == (5, 6)
 
 
-def test_missing_mask_id_is_an_error(real, tmp_path):
+def _dream_without_mask_id(real, tmp_path) -> tuple[Path, int]:
+    """A copy of Dream's metadata whose config and tokenizer config name no mask id; and the id of
+    the tokenizer's `<|mask|>` special token, which still names one."""
     dest = tmp_path / "dream"
     shutil.copytree(real / "dream-v0-instruct-7b", dest)
     config = json.loads((dest / "config.json").read_text())
@@ -113,6 +116,27 @@ def test_missing_mask_id_is_an_error(real, tmp_path):
     tok_config = json.loads((dest / "tokenizer_config.json").read_text())
     del tok_config["mask_token"]
     (dest / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    added = tok_config["added_tokens_decoder"]
+    [mask_id] = [int(i) for i, token in added.items() if token["content"] == MASK_TOKEN_TEXT]
+    return dest, mask_id
+
+
+def test_a_mask_id_named_nowhere_but_the_mask_special_token_is_that_token(real, tmp_path):
+    """LLaDA2's case: no file names a mask id; its tokenizer's `<|mask|>` is the official default."""
+    dest, mask_id = _dream_without_mask_id(real, tmp_path)
+    assert CheckpointFiles.open(dest).special_tokens().mask_id == mask_id
+
+
+def test_missing_mask_id_is_an_error(real, tmp_path):
+    dest, _ = _dream_without_mask_id(real, tmp_path)
+    for name in ("tokenizer_config.json", "added_tokens.json"):
+        data = json.loads((dest / name).read_text())
+        if name == "added_tokens.json":
+            data = {text: i for text, i in data.items() if text != MASK_TOKEN_TEXT}
+        else:
+            data["added_tokens_decoder"] = {i: t for i, t in data["added_tokens_decoder"].items()
+                                            if t["content"] != MASK_TOKEN_TEXT}
+        (dest / name).write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match="mask"):
         CheckpointFiles.open(dest).special_tokens()
 
