@@ -22,17 +22,20 @@ from engine import DecodeParams, Engine
 from tinymodels import char_tokenizer as chars
 
 pytestmark = pytest.mark.slow
-PROMPT = [2, 40, 41, 42, 43]
-MAX_TOKENS = 10  # not a multiple of the canvas (8): two canvases decoded, the last 6 tokens dropped
+CHECKPOINT = FIXTURES / "diffusion_gemma" / "dg_tiny"
+CANVAS = json.loads((CHECKPOINT / "config.json").read_text())["canvas_length"]
+FIXTURE_STEPS = json.loads((CHECKPOINT / "generation_config.json").read_text())["max_denoising_steps"]
+PROMPT = chars.build_tokenizer().encode("00457+00038").ids  # ids of the tokenizer the copy is served with
+MAX_TOKENS = CANVAS + max(1, CANVAS // 4)  # not a multiple of the canvas: two canvases decoded, the rest dropped
 DECODING = {"max_denoising_steps": 6}
-CHECKPOINT_STEPS = 4  # the copy's generation_config.json max_denoising_steps (the fixture's is 48)
+CHECKPOINT_STEPS = 4  # the copy's generation_config.json max_denoising_steps (below the fixture's)
 STEP_CAP = 2 * DECODING["max_denoising_steps"]  # --max-decode-steps: the requests above fit it
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     dest = tmp_path_factory.mktemp("dg") / "dg-tiny"
-    shutil.copytree(FIXTURES / "diffusion_gemma" / "dg_tiny", dest)
+    shutil.copytree(CHECKPOINT, dest)
     chars.write_tokenizer_files(dest)
     generation = json.loads((dest / "generation_config.json").read_text())
     (dest / "generation_config.json").write_text(json.dumps({**generation, "max_denoising_steps": CHECKPOINT_STEPS}))
@@ -118,8 +121,9 @@ def test_the_step_cap_counts_the_checkpoints_steps_per_canvas(server, client) ->
     """--max-decode-steps reads max_denoising_steps as the engine resolves it: the checkpoint's
     generation_config value when the request sets none, the request's when it does."""
     body = {"model": client.models.list().data[0].id, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "seed": 1}
-    canvases = -(-MAX_TOKENS // 8)
-    assert canvases * CHECKPOINT_STEPS <= STEP_CAP < canvases * 48  # served only if the checkpoint's value counts
+    canvases = -(-MAX_TOKENS // CANVAS)
+    # served only if the copy's checkpoint value counts, not the fixture's
+    assert canvases * CHECKPOINT_STEPS <= STEP_CAP < canvases * FIXTURE_STEPS
     assert httpx.post(f"{server}/v1/completions", json=body, timeout=120).status_code == 200
     over = {**body, "decoding": {"max_denoising_steps": STEP_CAP // canvases + 1}}
     response = httpx.post(f"{server}/v1/completions", json=over, timeout=60)
