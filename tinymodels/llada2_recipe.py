@@ -19,7 +19,6 @@ import torch
 from engine.models.llada2 import LLaDA2Model
 from engine.models.moe import MoeRouter
 from engine.models.registry import FAMILIES
-from engine.special_tokens import SpecialTokens
 from tinymodels import char_tokenizer as chars
 from tinymodels.formats import llada2_config
 from tinymodels.train_config import TrainConfig
@@ -48,25 +47,6 @@ def hf_config(config: TrainConfig) -> dict[str, Any]:
         config.d_model // config.heads, config.mlp_hidden, len(chars.vocabulary()), chars.special_id(chars.END),
         config.experts, config.experts_per_token, config.expert_hidden, config.shared_experts, config.dense_layers,
         config.expert_groups, config.expert_groups_per_token, rope_theta=config.rope_theta)
-
-
-def build_model(config: TrainConfig) -> tuple[LLaDA2Model, dict[str, Any]]:
-    """Fresh weights: matrices ~ N(0, 0.02), RMSNorm weights 1, the routers' expert_bias 0 and out of
-    the gradient's reach (it moves by `ExpertLoad`, as the official buffer does)."""
-    hf = hf_config(config)
-    end_id = chars.special_id(chars.END)
-    special = SpecialTokens(mask_id=chars.special_id(chars.MASK), eos_ids=(end_id,), pad_id=end_id)
-    torch.manual_seed(config.seed)
-    model = LLaDA2Model(LLaDA2Model.parse_config(hf), special, hf)
-    for name, param in model.named_parameters():
-        if name.endswith("expert_bias"):
-            torch.nn.init.zeros_(param)
-            param.requires_grad_(False)
-        elif name.endswith("norm.weight"):
-            torch.nn.init.ones_(param)
-        else:
-            torch.nn.init.normal_(param, std=0.02)
-    return model, hf
 
 
 def make_optimizer(model: LLaDA2Model, config: TrainConfig) -> torch.optim.Optimizer:

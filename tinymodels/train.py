@@ -90,14 +90,13 @@ def hf_config_for(config: TrainConfig) -> dict[str, Any]:
                         config.mlp_hidden, vocab, mask_id=mask_id, eos_id=end_id, rope_theta=config.rope_theta)
 
 
-_MODEL_CLASSES: dict[str, type[DiffusionTransformer]] = {"llada": LLaDAModel, "dream": DreamModel, "sdar": SDARModel}
+_MODEL_CLASSES: dict[str, type[DiffusionTransformer]] = {"llada": LLaDAModel, "dream": DreamModel, "sdar": SDARModel,
+                                                         "llada2": LLaDA2Model}
 
 
 def build_model(config: TrainConfig) -> tuple[TrainedModel, dict[str, Any]]:
     if config.arch == "diffusion_gemma":
         return dg_recipe.build_model(config)
-    if config.arch == "llada2":
-        return llada2_recipe.build_model(config)
     hf = hf_config_for(config)
     cls = _MODEL_CLASSES[config.arch]
     end_id = chars.special_id(chars.END)
@@ -111,6 +110,8 @@ def build_model(config: TrainConfig) -> tuple[TrainedModel, dict[str, Any]]:
             torch.nn.init.zeros_(param)
         else:
             torch.nn.init.normal_(param, std=0.02)
+        if name.endswith("expert_bias"):  # LLaDA2's routers: moved by llada2_recipe.ExpertLoad, not the gradient
+            param.requires_grad_(False)
     return model, hf
 
 
