@@ -1,6 +1,6 @@
 """The DiffusionGemma-format built-in model's pieces of the training recipe: its config from the
-training settings, its initial weights, its optimizer and its examples (the objective is
-tinymodels/dg_objective.py, the loop tinymodels/train.py)."""
+training settings, its initial weights and its examples (the objective is tinymodels/dg_objective.py,
+the optimizer tinymodels.optim.matrix_decay_adamw, the loop tinymodels/train.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,6 @@ from tinymodels.formats import diffusion_gemma_config, diffusion_gemma_generatio
 from tinymodels.prompt_forms import prompt_text
 from tinymodels.tasks import Problem
 from tinymodels.train_config import TrainConfig
-
-_BETAS = (0.9, 0.95)  # the other built-ins' AdamW
 
 
 def layer_types(config: TrainConfig) -> list[str]:
@@ -60,15 +58,6 @@ def build_model(config: TrainConfig) -> tuple[DiffusionGemmaModel, dict[str, Any
         else:
             torch.nn.init.normal_(param, std=0.02)
     return model, hf
-
-
-def make_optimizer(model: DiffusionGemmaModel, config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW with decoupled weight decay on the matrices only: a decayed RMSNorm weight here would be
-    pulled towards 0, not towards the identity."""
-    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    groups = [{"params": [p for _, p in trained if p.dim() > 1], "weight_decay": config.weight_decay},
-              {"params": [p for _, p in trained if p.dim() <= 1], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=_BETAS)
 
 
 def encode_examples(batch: list[Problem], plain: list[bool], canvas_length: int) -> CanvasRows:

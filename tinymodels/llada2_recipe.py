@@ -1,7 +1,7 @@
 """The LLaDA2-format built-in model's pieces of the training recipe: its config from the training
-settings, its initial weights, its optimizer and the routers' load balancing (the objective is
-SDAR's block diffusion, tinymodels/block_objective.py, with LLaDA2.1's editing objective as an
-option; the loop is tinymodels/train.py).
+settings and the routers' load balancing (the objective is SDAR's block diffusion,
+tinymodels/block_objective.py, with LLaDA2.1's editing objective as an option; the initial weights,
+the optimizer and the loop are tinymodels/train.py's).
 
 The model is LLaDA2's architecture at tiny sizes: fused q|k|v with QK-norm, RoPE on half of each
 head, the first `dense_layers` layers a dense SwiGLU MLP and the rest a mixture of experts (routed
@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from engine.models.llada2 import LLaDA2Model
 from engine.models.moe import MoeRouter
 from engine.models.registry import FAMILIES
 from tinymodels import char_tokenizer as chars
@@ -24,7 +23,6 @@ from tinymodels.formats import llada2_config
 from tinymodels.train_config import TrainConfig
 
 RouterOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-_BETAS = (0.9, 0.95)  # the other built-ins' AdamW
 _GROUP_SCORE_EXPERTS = 2  # the official router scores a group by its best two experts
 
 
@@ -47,15 +45,6 @@ def hf_config(config: TrainConfig) -> dict[str, Any]:
         config.d_model // config.heads, config.mlp_hidden, len(chars.vocabulary()), chars.special_id(chars.END),
         config.experts, config.experts_per_token, config.expert_hidden, config.shared_experts, config.dense_layers,
         config.expert_groups, config.expert_groups_per_token, rope_theta=config.rope_theta)
-
-
-def make_optimizer(model: LLaDA2Model, config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW with decoupled weight decay on the matrices only (a decayed RMSNorm weight is pulled
-    towards 0, not the identity); the expert biases are not the optimizer's."""
-    trained = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in trained if p.dim() > 1], "weight_decay": config.weight_decay},
-              {"params": [p for p in trained if p.dim() <= 1], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=_BETAS)
 
 
 def edit_vocabulary() -> int:

@@ -106,6 +106,16 @@ def is_hidden_matrix(name: str, param: torch.Tensor) -> bool:
     return param.dim() == 2 and name.startswith("layers.")
 
 
+def matrix_decay_adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over the trained parameters with decoupled weight decay on the matrices only (a decayed
+    RMSNorm weight is pulled towards 0, not the identity): the MoE recipes' optimizer (DiffusionGemma,
+    LLaDA2, whose stacked experts Muon does not take and whose router biases are not trained)."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in trained if p.dim() > 1], "weight_decay": weight_decay},
+              {"params": [p for p in trained if p.dim() <= 1], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=_BETAS)
+
+
 def build_optimizer(model: torch.nn.Module, kind: str, lr: float, weight_decay: float) -> Optimizer:
     if kind == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=lr, betas=_BETAS, weight_decay=weight_decay)

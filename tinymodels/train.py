@@ -58,7 +58,7 @@ from tinymodels.formats import (
     save_checkpoint,
     sdar_config,
 )
-from tinymodels.optim import Optimizer, build_optimizer
+from tinymodels.optim import Optimizer, build_optimizer, matrix_decay_adamw
 from tinymodels.prompt_forms import prompt_text
 from tinymodels.tasks import Problem, problems
 from tinymodels.train_config import TrainConfig
@@ -212,10 +212,8 @@ def step_examples(config: TrainConfig, step: int) -> list[Problem]:
 
 
 def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> Optimizer:
-    if isinstance(model, DiffusionGemmaModel):
-        return dg_recipe.make_optimizer(model, config)
-    if isinstance(model, LLaDA2Model):
-        return llada2_recipe.make_optimizer(model, config)
+    if isinstance(model, (DiffusionGemmaModel, LLaDA2Model)):
+        return matrix_decay_adamw(model, config.lr, config.weight_decay)
     return build_optimizer(model, config.optimizer, config.lr, config.weight_decay)
 
 
