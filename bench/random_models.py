@@ -10,10 +10,10 @@ import torch
 
 from engine.models.attention import select_attention
 from engine.models.layers import RMSNorm, RotaryEmbedding
+from engine.models.parallel.group import SINGLE, TensorParallel
+from engine.models.parallel.sharding import check_divisible
 from engine.models.registry import model_class_for
 from engine.models.transformer import DiffusionTransformer
-from engine.parallel.group import SINGLE, TensorParallel
-from engine.parallel.sharding import check_divisible
 from engine.special_tokens import SpecialTokens
 
 INIT_STD = 0.02

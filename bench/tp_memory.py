@@ -28,9 +28,9 @@ from typing import Any, Optional
 import torch
 
 from engine.errors import TensorParallelError
+from engine.models.parallel.group import TensorParallel
+from engine.models.parallel.sharding import check_divisible
 from engine.models.registry import model_class_for
-from engine.parallel.group import TensorParallel
-from engine.parallel.sharding import check_divisible
 from engine.quantization import quantized_model_bytes
 
 FIXTURES = Path(os.environ.get("CAI_DLLM_FIXTURES", Path(__file__).resolve().parents[1] / "tests" / "fixtures"))

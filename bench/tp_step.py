@@ -32,7 +32,7 @@ from engine.cpus import default_threads
 from engine.decoding import DecodeParams
 from engine.engine import Engine
 from engine.errors import TensorParallelError
-from engine.parallel.engine import TensorParallelEngine
+from engine.executor.start import start_engine
 
 COLUMNS = ("model", "tp", "batch", "cache", "step", "step_ms", "fed_tok", "tok_per_s", "vs_tp1")
 
@@ -107,7 +107,7 @@ def run_tensor_parallel(args: argparse.Namespace, device: torch.device, dtype: t
                 else:
                     factory = ("random_models:build_random_rank",
                                {"hf_config": hf, "special": special, "dtype": dtype, "seed": args.seed})
-                    engine = TensorParallelEngine(config, model_factory=factory)
+                    engine = start_engine(config, model_factory=factory)
             except (TensorParallelError, torch.cuda.OutOfMemoryError) as err:
                 print(f"# {name} tp {tp}: {type(err).__name__}: {err}")
                 continue

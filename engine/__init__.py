@@ -1,7 +1,8 @@
 """cai-dllm engine: diffusion language models (LLaDA, Dream; SDAR, LLaDA2) and their decoding.
 
-The engine knows nothing about HTTP. Entry points: `Engine` (add_request / step / abort /
-has_unfinished, and `generate` for offline batches), `load_model`, `load_tokenizer`.
+The engine knows nothing about HTTP. Entry points: `start_engine(config)` (the `Engine` a
+configuration asks for: one device, or rank 0 of a tensor-parallel group), `Engine` (add_request /
+step / abort / has_unfinished, and `generate` for offline batches), `load_model`, `load_tokenizer`.
 
 Names are imported on first use (PEP 562), so that importing a light module of the package (the
 settings, the decoding parameters) does not import torch: `cai-dllm --help` answers at once.
@@ -18,6 +19,7 @@ _EXPORTS = {
     "DecodeParams": "engine.decoding.params",
     "GenerationResult": "engine.decoding.types",
     "Engine": "engine.engine",
+    "start_engine": "engine.executor.start",
     "CheckpointError": "engine.errors",
     "DeviceError": "engine.errors",
     "RequestError": "engine.errors",
@@ -31,7 +33,7 @@ _EXPORTS = {
 
 __all__ = ["CheckpointError", "DecodeParams", "DeviceError", "DiffusionTransformer", "Engine", "EngineConfig",
            "GenerationResult", "ModelConfig", "RequestError", "SpecialTokens", "StepOutput", "load_model",
-           "load_tokenizer"]
+           "load_tokenizer", "start_engine"]
 assert sorted(__all__) == sorted(_EXPORTS)
 
 if TYPE_CHECKING:
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from engine.decoding.types import GenerationResult
     from engine.engine import Engine
     from engine.errors import CheckpointError, DeviceError, RequestError
+    from engine.executor.start import start_engine
     from engine.loading.tokenizer import load_tokenizer
     from engine.loading.weights import load_model
     from engine.models import DiffusionTransformer, ModelConfig

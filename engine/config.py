@@ -42,7 +42,7 @@ class EngineConfig:
     quantization: str = "none"
     quantize_head: bool = False
     # tensor parallelism (vLLM's --tensor-parallel-size): the model split across this many processes,
-    # one a GPU on CUDA (rank r on cuda:r), all on this host's CPUs otherwise (engine.parallel)
+    # one a GPU on CUDA (rank r on cuda:r), all on this host's CPUs otherwise (engine.executor)
     tensor_parallel_size: int = 1
     # seconds a rank waits on another (a collective, a worker's answer to rank 0's heartbeat) before
     # the group is declared failed: above the slowest step, so only a hang or a death trips it

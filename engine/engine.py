@@ -48,20 +48,16 @@ Prompt = Union[Sequence[int], str]
 
 
 class Engine:
-    # why a multi-process engine can no longer step (a worker died or hung: engine.parallel); a
+    # why a multi-process engine can no longer step (a worker died or hung: engine.executor); a
     # single-process engine has no such failure
     fault: Optional[str] = None
 
-    def __new__(cls, config: Optional[EngineConfig] = None, *args: Any, **kwargs: Any) -> Engine:
-        """`Engine(config)` is rank 0 of a tensor-parallel group when config.tensor_parallel_size > 1
-        (engine.parallel.engine: it starts and drives the other ranks itself)."""
-        if cls is Engine and config is not None and config.tensor_parallel_size > 1:
-            from engine.parallel.engine import TensorParallelEngine
-
-            cls = TensorParallelEngine
-        return super().__new__(cls)
-
     def __init__(self, config: EngineConfig) -> None:
+        """The engine of one device. A tensor-parallel group is started above the engine, by
+        `engine.executor.start_engine(config)`, which builds this for `tensor_parallel_size` 1."""
+        if config.tensor_parallel_size > 1:
+            raise SettingError("--tensor-parallel-size", f"Engine(config) runs on one device; "
+                               f"engine.start_engine(config) starts a group of {config.tensor_parallel_size}")
         set_threads(config.threads)  # process-wide: before any work
         model = load_model(config.model, device=config.device, dtype=config.dtype,
                            use_flash_attn=config.use_flash_attn, quantization=config.quantization,
@@ -98,7 +94,7 @@ class Engine:
         self._end_set = frozenset(model.special.end_ids)
         self._ids = itertools.count()
         self.prefix_cache = self._make_prefix_cache(config)
-        self.reset()
+        self._build_step()
 
     def _make_prefix_cache(self, config: EngineConfig) -> Optional[PrefixCache]:
         """The prefix cache across requests, where asked for and the decoding mode allows it."""
@@ -121,12 +117,19 @@ class Engine:
 
     def reset(self) -> None:
         """Drop every request, waiting or running (after a failed step)."""
+        self._build_step()
+
+    def _build_step(self) -> None:
+        """The step's state, empty: slots, scheduler, decoding mode and runner."""
         mode = MODES[self.family.mode]  # the decoding mode of the model's family: the same for every reset
         self.slots = mode.slots_class(self.model, self.max_batch)
-        self.scheduler = Scheduler(self.max_batch, self.model.device, self.slots.move)
+        self.scheduler = self._make_scheduler()
         graphs = DualStepGraphs(self.model, self.max_batch, capture=True) if self.config.uses_cuda_graphs else None
         self.mode = mode(self.model, self.slots, graphs)
         self.runner = ModelRunner(self.mode, self.slots)
+
+    def _make_scheduler(self) -> Scheduler:
+        return Scheduler(self.max_batch, self.model.device, self.slots.move)
 
     @property
     def architecture(self) -> str:

@@ -25,7 +25,7 @@ from fastapi_offline import FastAPIOffline
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine import Engine
+from engine import Engine, start_engine
 from engine.errors import SettingError
 from server import openapi
 from server.energy import EnergyMeter, open_meter
@@ -58,7 +58,7 @@ DOCS_ASSETS = "/docs-assets"  # the interactive API pages' scripts and styles
 
 
 def _load_engine(settings: ServerSettings) -> Engine:
-    return Engine(settings.engine)
+    return start_engine(settings.engine)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from engine.parallel.calls import Replica
+from engine.executor.calls import Replica
 
 
 def forward(replica: Replica, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:

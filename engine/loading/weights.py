@@ -7,7 +7,7 @@ and shape is checked against the weight table from the file headers before any d
 bad checkpoint fails in milliseconds and names the offending tensor.
 
 On a tensor-parallel rank (`tp`) the model is that rank's share, and each tensor is read as the
-slices the rank holds (`engine.parallel.sharding.source_slices`): no rank reads another's experts
+slices the rank holds (`engine.models.parallel.sharding.source_slices`): no rank reads another's experts
 or holds a whole sharded tensor.
 """
 
@@ -27,11 +27,11 @@ from engine.errors import CheckpointError, DeviceError
 from engine.loading.checkpoint import CheckpointFiles
 from engine.loading.safetensors_stream import TensorEntry, copy_slice_into, read_header
 from engine.models.attention import select_attention
+from engine.models.parallel.group import SINGLE, TensorParallel
+from engine.models.parallel.sharding import SliceRead, check_divisible, source_slices
 from engine.models.registry import model_class_for
 from engine.models.transformer import DiffusionTransformer
 from engine.models.weight_names import expected_weights, ignored_weight
-from engine.parallel.group import SINGLE, TensorParallel
-from engine.parallel.sharding import SliceRead, check_divisible, source_slices
 from engine.quantization import check_quantization, quantize_linear, quantize_linears
 
 
@@ -140,7 +140,7 @@ def load_model(path: Union[str, Path], device: Union[str, torch.device] = "cpu",
     [B, L, vocab]; `.config`, `.special` (token ids), `.hf_config` and `.logits_shifted` describe it.
     With `quantization` (engine.quantization), each decoder layer's linear layers are quantized as
     soon as that layer's weights are read, so peak memory is the quantized model plus one float layer.
-    With `tp`, the model is that rank's share (its forward needs the group: `engine.parallel`).
+    With `tp`, the model is that rank's share (its forward needs the group: `engine.executor`).
     """
     checkpoint = CheckpointFiles.open(path)
     cls = model_class_for(checkpoint.config)

@@ -39,8 +39,8 @@ from engine.models.gemma4_layers import GeluMlp, Gemma4Layer, Rope
 from engine.models.gemma4_moe import MOE_KERNELS, Gemma4Experts
 from engine.models.gemma4_ops import KindRotaryEmbedding, rms_norm_unweighted
 from engine.models.layers import Float32ScaleRMSNorm
+from engine.models.parallel.group import SINGLE, TensorParallel
 from engine.models.transformer import check_input_ids
-from engine.parallel.group import SINGLE, TensorParallel
 from engine.special_tokens import SpecialTokens
 
 # DiffusionGemmaConfig's class defaults, for a config.json that omits the key (transformers 5.23).

@@ -23,7 +23,7 @@ from torch import nn
 from engine.models.attention import AttentionFn, sdpa_attention
 from engine.models.config import ModelConfig
 from engine.models.kv_cache import CacheWrite
-from engine.parallel.group import SINGLE, TensorParallel
+from engine.models.parallel.group import SINGLE, TensorParallel
 
 # Input positions whose outputs are wanted: the first K positions (an int K) or [B, K] indices.
 Positions = Union[int, torch.Tensor]
@@ -67,7 +67,7 @@ def make_norm(size: int, config: ModelConfig) -> RMSNorm:
 
 class FusedLinear(nn.Linear):
     """A linear layer whose output rows are the concatenation of named checkpoint tensors (on a
-    tensor-parallel rank, of this rank's rows of each: `engine.parallel.sharding`)."""
+    tensor-parallel rank, of this rank's rows of each: `engine.models.parallel.sharding`)."""
 
     def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
         super().__init__(in_features, sum(shards.values()), bias=bias)

@@ -30,7 +30,7 @@ from torch import nn
 
 from engine.models.config import MoeConfig
 from engine.models.layers import FusedLinear, SwiGLU
-from engine.parallel.group import SINGLE, TensorParallel
+from engine.models.parallel.group import SINGLE, TensorParallel
 
 MOE_KERNELS = ("plain", "grouped_mm")
 _QUANTIZED_KERNEL = "quantized"  # one quantized linear pair per expert (GroupedExperts.quantize)
@@ -97,7 +97,7 @@ class GroupedExperts(nn.Module):
     """The routed experts this rank holds (all of them on one device), their SwiGLU weights stacked:
     gate|up rows of local expert e at [e·2I, (e+1)·2I), down rows at [e·H, (e+1)·H). The shard names
     are the global expert ids (`{e}.gate`, `{e}`), so the loader fills this rank's experts and
-    skips the others' (`engine.parallel.sharding`)."""
+    skips the others' (`engine.models.parallel.sharding`)."""
 
     # quantization (engine.quantization) goes through `quantize`, which splits the stacked weights
     # into one linear pair per expert: neither library's weight can be viewed as [experts, rows, cols]

@@ -21,7 +21,7 @@ from engine.models.config import ModelConfig
 from engine.models.kv_cache import CacheWrite
 from engine.models.layers import Attention, Positions, RotaryEmbedding, SwiGLU, make_norm, select_positions
 from engine.models.moe import SparseMoe
-from engine.parallel.group import SINGLE, TensorParallel
+from engine.models.parallel.group import SINGLE, TensorParallel
 from engine.special_tokens import SpecialTokens
 
 
@@ -63,7 +63,7 @@ class DiffusionTransformer(nn.Module):
     def __init__(self, config: ModelConfig, special: Optional[SpecialTokens],
                  hf_config: Optional[dict[str, Any]] = None, tp: TensorParallel = SINGLE) -> None:
         """`config` is the whole model's; on a tensor-parallel rank (`tp`) the layers hold their
-        share of it (`engine.parallel`), and the forward still returns the whole vocabulary."""
+        share of it (`engine.models.parallel`), and the forward still returns the whole vocabulary."""
         super().__init__()
         self.config = config
         self.special = special  # None only where a checkpoint's ids are not needed (inspect)

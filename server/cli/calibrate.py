@@ -46,7 +46,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from calibration.data import BUILTIN, CalibrationDataError, builtin_items, load_items, make_grader
-    from engine import Engine, EngineConfig
+    from engine import EngineConfig, start_engine
     from engine.decoding.profiles import save_profile
     from engine.errors import CheckpointError, DeviceError
 
@@ -60,10 +60,10 @@ def run(args: argparse.Namespace) -> int:
             items = builtin_items(args.n, args.seed, args.mix or model_mix(args.model))
             grader_name = args.grader or BUILTIN
         grader = make_grader(grader_name)
-        engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                                     max_batch=args.batch_size, quantization=args.quantization,
-                                     quantize_head=args.quantize_head, threads=args.threads,
-                                     tensor_parallel_size=args.tensor_parallel_size))
+        engine = start_engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                                           max_batch=args.batch_size, quantization=args.quantization,
+                                           quantize_head=args.quantize_head, threads=args.threads,
+                                           tensor_parallel_size=args.tensor_parallel_size))
     except (CalibrationDataError, CheckpointError, DeviceError, ValueError) as err:
         return fail(err)
     from calibration.run import calibrate

@@ -35,7 +35,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine import Engine, EngineConfig
+    from engine import EngineConfig, start_engine
     from engine.errors import CheckpointError, DeviceError
     from tinymodels.evaluate import (
         default_configs,
@@ -50,10 +50,10 @@ def run(args: argparse.Namespace) -> int:
     from tinymodels.tasks import format_mix
 
     try:
-        engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                                     max_batch=args.batch_size, quantization=args.quantization,
-                                     quantize_head=args.quantize_head, threads=args.threads,
-                                     tensor_parallel_size=args.tensor_parallel_size))
+        engine = start_engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                                           max_batch=args.batch_size, quantization=args.quantization,
+                                           quantize_head=args.quantize_head, threads=args.threads,
+                                           tensor_parallel_size=args.tensor_parallel_size))
     except (CheckpointError, DeviceError, ValueError) as err:
         return fail(err)
     from engine.decoding import DecodeParams

@@ -23,16 +23,17 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine import CheckpointError, DeviceError, Engine, EngineConfig, RequestError, load_tokenizer
+    from engine import CheckpointError, DeviceError, EngineConfig, RequestError, load_tokenizer, start_engine
     from engine.chat import chat_prompt_ids
     from engine.decoding import DecodeParamError, DecodeParams
     from engine.user_text import encode_prompt_text
 
     try:
         params = DecodeParams.from_dict(decode_overrides(args))
-        engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
-                                     quantization=args.quantization, quantize_head=args.quantize_head,
-                                     threads=args.threads, tensor_parallel_size=args.tensor_parallel_size))
+        engine = start_engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                                           max_batch=args.max_batch, quantization=args.quantization,
+                                           quantize_head=args.quantize_head, threads=args.threads,
+                                           tensor_parallel_size=args.tensor_parallel_size))
         tokenizer = engine.tokenizer
         if tokenizer is None and args.prompt:
             load_tokenizer(args.model)  # raises, saying why there is none

@@ -25,15 +25,15 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine import CheckpointError, DeviceError, Engine, EngineConfig, RequestError
+    from engine import CheckpointError, DeviceError, EngineConfig, RequestError, start_engine
     from engine.chat import chat_prompt_ids
     from engine.user_text import encode_prompt_text
     from server.cli.progress import Progress
 
     try:
-        engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                                     quantization=args.quantization, quantize_head=args.quantize_head,
-                                     threads=args.threads, tensor_parallel_size=args.tensor_parallel_size))
+        engine = start_engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                                           quantization=args.quantization, quantize_head=args.quantize_head,
+                                           threads=args.threads, tensor_parallel_size=args.tensor_parallel_size))
         if engine.tokenizer is None:
             raise CheckpointError("scoring text needs a checkpoint with a tokenizer")
         mask = engine.model.special.mask_id

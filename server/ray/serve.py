@@ -14,7 +14,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from ray import serve
 
-from engine import Engine
+from engine import Engine, start_engine
 from server.app import create_app
 from server.ray.metrics import ReplicaMetricsExporter
 from server.settings import ServerSettings, load_settings
@@ -37,7 +37,7 @@ class CaiDllmReplica:
 
     def __init__(self) -> None:
         settings = load_settings({})
-        engine = Engine(settings.engine)  # here, not in the app's lifespan: Serve waits for it
+        engine = start_engine(settings.engine)  # here, not in the app's lifespan: Serve waits for it
 
         def loaded(_: ServerSettings) -> Engine:
             return engine

@@ -22,13 +22,13 @@ from conftest import FIXTURES, REPO
 from fixture_checkpoints import block_fixture
 from safetensors.torch import load_file
 
-from engine import DecodeParams, Engine, EngineConfig, load_model
+from engine import DecodeParams, Engine, EngineConfig, load_model, start_engine
 from engine.decoding.registry import BLOCK, MASKED, POLICIES
-from engine.errors import TensorParallelError
+from engine.errors import SettingError, TensorParallelError
 from engine.host_reads import count_host_reads
 from engine.models.moe import GroupedExperts
+from engine.models.parallel.sharding import check_divisible
 from engine.models.registry import model_class_for
-from engine.parallel.sharding import check_divisible
 
 SIZE = 2
 # float32, at the logits' scale: max |TP2 - TP1| <= 1e-5 x the logits' standard deviation (the
@@ -72,7 +72,7 @@ def skip_unless_splittable(name: str, checkpoint: Path) -> None:
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Family:
     checkpoint = _checkpoint(request.param, tmp_path_factory.mktemp(request.param))
     skip_unless_splittable(request.param, checkpoint)
-    engine = Engine(EngineConfig(model=str(checkpoint), tensor_parallel_size=SIZE, max_batch=4))
+    engine = start_engine(EngineConfig(model=str(checkpoint), tensor_parallel_size=SIZE, max_batch=4))
     yield Family(request.param, checkpoint, load_model(checkpoint), engine)
     engine.close()
 
@@ -190,7 +190,7 @@ def test_golden_runs_token_for_token_at_tp2(family: Family) -> None:
             results = engine.generate(prompts, params)
             assert [golden._through_end(r) for r in results] == expected
             assert [r.stats.nfe + _restored_prefill(r, engine.validate(r.prompt_ids, params)) for r in results] == nfe
-    digests = engine.collective_rpc("engine.parallel.calls:state_digest", results=True)
+    digests = engine.collective_rpc("engine.executor.calls:state_digest", results=True)
     assert len(set(digests)) == 1
 
 
@@ -264,7 +264,7 @@ def test_every_feature_at_tp2_gives_tp1_tokens(family: Family) -> None:
             for mine, theirs in zip(got[request_id][1], logprobs, strict=True):
                 assert mine.token_id == theirs.token_id
                 assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-4)
-    digests = family.engine.collective_rpc("engine.parallel.calls:state_digest", results=True)
+    digests = family.engine.collective_rpc("engine.executor.calls:state_digest", results=True)
     assert len(set(digests)) == 1
 
 
@@ -308,7 +308,7 @@ def test_each_rank_loads_exactly_its_slices_and_reads_little_else(name: str, tmp
     it should hold, and it reads from the files about its share of the bytes (plus what it holds
     whole), never the whole checkpoint."""
     from engine.loading import weights
-    from engine.parallel.group import TensorParallel
+    from engine.models.parallel.group import TensorParallel
 
     checkpoint = _checkpoint(name, tmp_path)
     skip_unless_splittable(name, checkpoint)
@@ -378,7 +378,13 @@ def test_a_size_that_does_not_divide_the_model_is_refused_naming_both_numbers() 
     size = heads + 1
     with pytest.raises(TensorParallelError, match=rf"--tensor-parallel-size {size} does not divide the model's "
                                                    rf"{heads} attention heads"):
-        Engine(EngineConfig(model=str(FIXTURES / "llada_tiny"), tensor_parallel_size=size))
+        start_engine(EngineConfig(model=str(FIXTURES / "llada_tiny"), tensor_parallel_size=size))
+
+
+def test_the_one_device_engine_refuses_a_group_and_names_the_factory() -> None:
+    """A group is started above the engine: `Engine(config)` is one device's, whatever the config says."""
+    with pytest.raises(SettingError, match="start_engine"):
+        Engine(EngineConfig(model=str(FIXTURES / "llada_tiny"), tensor_parallel_size=SIZE))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < SIZE, reason=f"needs {SIZE} CUDA GPUs (NCCL); this machine has "
@@ -387,7 +393,7 @@ def test_nccl_on_two_gpus_gives_one_gpus_logits() -> None:
     data = load_file(FIXTURES / "llada_forward.safetensors")
     checkpoint = FIXTURES / "llada_tiny"
     reference = load_model(checkpoint, device="cuda:0")
-    engine = Engine(EngineConfig(model=str(checkpoint), device="cuda", tensor_parallel_size=SIZE))
+    engine = start_engine(EngineConfig(model=str(checkpoint), device="cuda", tensor_parallel_size=SIZE))
     try:
         ids = data["input_ids"].cuda()
         with torch.no_grad():

@@ -10,7 +10,7 @@ import torch
 from fixture_checkpoints import block_fixture
 from test_tensor_parallel import SIZE, Family, _forward_cases, skip_unless_splittable
 
-from engine import Engine, EngineConfig, load_model
+from engine import EngineConfig, load_model, start_engine
 from engine.errors import TensorParallelError
 
 
@@ -21,7 +21,7 @@ def test_quantized_experts_at_tp2_track_the_float_model(tmp_path: Path) -> None:
     pytest.importorskip("torchao", reason="int8 needs torchao (pip install 'cai-dllm[quant]')")
     checkpoint = block_fixture("llada2", tmp_path)
     skip_unless_splittable("llada2", checkpoint)
-    engine = Engine(EngineConfig(model=str(checkpoint), tensor_parallel_size=SIZE, quantization="int8"))
+    engine = start_engine(EngineConfig(model=str(checkpoint), tensor_parallel_size=SIZE, quantization="int8"))
     try:
         assert engine.collective_rpc("tp_calls:experts_quantized", results=True) == [True] * SIZE
         [(args, kwargs)] = _forward_cases(Family("llada2", checkpoint, None, None))[:1]
@@ -42,10 +42,10 @@ def test_quantized_experts_at_tp2_track_the_float_model(tmp_path: Path) -> None:
 def test_a_second_tensor_parallel_engine_in_one_process_is_refused(tmp_path: Path) -> None:
     checkpoint = block_fixture("llada2", tmp_path)
     skip_unless_splittable("llada2", checkpoint)
-    engine = Engine(EngineConfig(model=str(checkpoint), tensor_parallel_size=SIZE))
+    engine = start_engine(EngineConfig(model=str(checkpoint), tensor_parallel_size=SIZE))
     try:
         with pytest.raises(TensorParallelError, match="already holds a tensor-parallel engine"):
-            Engine(EngineConfig(model=str(checkpoint), tensor_parallel_size=SIZE))
-        assert engine.collective_rpc("engine.parallel.calls:call_result", 7, results=True) == [7] * SIZE
+            start_engine(EngineConfig(model=str(checkpoint), tensor_parallel_size=SIZE))
+        assert engine.collective_rpc("engine.executor.calls:call_result", 7, results=True) == [7] * SIZE
     finally:
         engine.close()

@@ -13,7 +13,7 @@ Liveness (`_monitor`, a thread): a worker that exits, or that does not answer a 
 timeout, is a fault: every worker is stopped and `fault` says why (the server's engine loop sees it,
 fails /health and exits non-zero). No orphan on any exit path: `close` (also at interpreter exit)
 stops the workers and kills any that do not stop; a worker whose rank 0 is gone exits by itself
-(`engine.parallel.worker`).
+(`engine.executor.worker`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.errors import TensorParallelError
-from engine.parallel.rank import HOST, backend, check_devices, init_rank, rendezvous_timeout
+from engine.executor.rank import HOST, backend, check_devices, init_rank, rendezvous_timeout
 
 log = logging.getLogger("cai_dllm.parallel")
 
@@ -71,7 +71,7 @@ class WorkerGroup:
     def start(cls, config: EngineConfig, factory: Optional[tuple[str, dict[str, Any]]] = None) -> WorkerGroup:
         """Spawn ranks 1..N-1 and form the group with this process as rank 0. TensorParallelError
         (with the worker's reason) if a worker fails before it joins."""
-        from engine.parallel.worker import worker_main
+        from engine.executor.worker import worker_main
 
         check_devices(config)
         if dist.is_initialized():  # the group is torch.distributed's default one: one per process

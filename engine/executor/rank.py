@@ -1,5 +1,5 @@
 """One rank's place in the tensor-parallel group: its device, its threads, and joining the group
-(rank 0 and the workers alike; engine.parallel.launch starts the workers, engine.parallel.worker
+(rank 0 and the workers alike; engine.executor.launch starts the workers, engine.executor.worker
 runs one)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Rank 0's engine: `Engine(config)` with `tensor_parallel_size` N > 1 (vLLM's multiprocessing
+"""Rank 0's engine: `start_engine(config)` with `tensor_parallel_size` N > 1 (vLLM's multiprocessing
 executor, collective_rpc and per-rank loading, on `torch.distributed`).
 
 Every rank holds its shard of the model and the same scheduler, and runs the same `Engine.step`:
@@ -16,7 +16,7 @@ Sampling: a request that samples without a seed gets one drawn on rank 0 before 
 so every rank's generator draws alike; a seeded request gives the same tokens at any N.
 
 A failed step cannot be resynchronised (a rank may be inside a collective the others left), so in
-a group it is a fault, as a worker that dies or hangs is (`engine.parallel.launch`).
+a group it is a fault, as a worker that dies or hangs is (`engine.executor.launch`).
 """
 
 from __future__ import annotations
@@ -35,14 +35,14 @@ from engine.config import EngineConfig
 from engine.decoding.params import DecodeParams
 from engine.engine import Engine
 from engine.errors import CheckpointError, TensorParallelError
+from engine.executor.calls import Replica
+from engine.executor.launch import WorkerGroup
+from engine.executor.rank import rank_threads
+from engine.executor.worker import ModelFactory, rank_model, resolve_call
 from engine.loading.checkpoint import CheckpointFiles
 from engine.loading.tokenizer import load_tokenizer
+from engine.models.parallel.sharding import check_divisible
 from engine.models.registry import model_class_for
-from engine.parallel.calls import Replica
-from engine.parallel.launch import WorkerGroup
-from engine.parallel.rank import rank_threads
-from engine.parallel.sharding import check_divisible
-from engine.parallel.worker import ModelFactory, rank_model, resolve_call
 from engine.request import Request
 from engine.scheduler import Scheduler
 from engine.scoring import ScoringJob
@@ -96,7 +96,7 @@ class ReplicatedScoringJob(ScoringJob):
     def advance(self) -> int:
         if self.done:
             return 0
-        self._workers.send(("call", "engine.parallel.calls:advance_scoring", self._args, False))
+        self._workers.send(("call", "engine.executor.calls:advance_scoring", self._args, False))
         return super().advance()
 
 
@@ -134,10 +134,12 @@ class TensorParallelEngine(Engine):
         self.workers.close()
 
     def reset(self) -> None:
-        if hasattr(self, "scheduler"):  # after setup, only a failed step resets (see the module docstring)
-            self.workers.fail_step(sys.exc_info()[1])  # the step's exception, when called while handling it
+        """A failed step cannot be resynchronised (see the module docstring): the group is failed."""
+        self.workers.fail_step(sys.exc_info()[1])  # the step's exception, when called while handling it
         super().reset()
-        self.scheduler = ReplicatingScheduler(self.max_batch, self.model.device, self.slots.move, self.workers)
+
+    def _make_scheduler(self) -> Scheduler:
+        return ReplicatingScheduler(self.max_batch, self.model.device, self.slots.move, self.workers)
 
     def scoring_job(self, prompt_ids: Sequence[int], samples: Optional[int] = None, seed: int = 0) -> ScoringJob:
         ids = [int(t) for t in prompt_ids]

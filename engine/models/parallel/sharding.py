@@ -24,7 +24,7 @@ from torch import nn
 
 from engine.errors import TensorParallelError
 from engine.models.config import ModelConfig
-from engine.parallel.group import TensorParallel
+from engine.models.parallel.group import TensorParallel
 
 Span = tuple[int, int]  # (start, count)
 

@@ -3,7 +3,7 @@ calls rank 0 forwards.
 
 The worker's engine is a plain `Engine` with a plain scheduler: rank 0 forwards every request it
 admits and every abort, in the order its scheduler took them, ahead of the step that follows them
-(`engine.parallel.engine`), so the worker's scheduler holds what rank 0's holds and its
+(`engine.executor.tensor_parallel`), so the worker's scheduler holds what rank 0's holds and its
 `Engine.step` makes the same decisions on the same logits. It reads its own step summary (a device
 read of its own) and returns its outputs to no one; the only answers it sends are heartbeats, the
 results of calls that ask for one, and its traceback if it fails, after which it exits non-zero:
@@ -49,9 +49,9 @@ ModelFactory = tuple[str, dict[str, Any]]
 
 def rank_model(config: EngineConfig, rank: int, factory: Optional[ModelFactory] = None) -> Any:
     """Rank `rank`'s share of the model: loaded from the checkpoint, or built by `factory`."""
+    from engine.executor.rank import rank_device
     from engine.loading.weights import load_model
-    from engine.parallel.group import TensorParallel
-    from engine.parallel.rank import rank_device
+    from engine.models.parallel.group import TensorParallel
 
     tp = TensorParallel(rank, config.tensor_parallel_size)
     if factory is not None:
@@ -91,8 +91,8 @@ def _serve(config: EngineConfig, rank: int, port: int, conn: Connection, factory
     import torch
 
     from engine.engine import Engine
-    from engine.parallel.calls import Replica
-    from engine.parallel.rank import init_rank, rank_threads
+    from engine.executor.calls import Replica
+    from engine.executor.rank import init_rank, rank_threads
 
     torch.set_num_threads(rank_threads(config))
     init_rank(config, rank, port)

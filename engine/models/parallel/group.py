@@ -6,7 +6,7 @@ the identity and nothing touches `torch.distributed`, so a single-device model r
 code it ran before tensor parallelism existed. A model can be built for any rank on the meta
 device without a process group (the memory table, `bench/tp_memory.py`): only a forward needs one.
 
-The group is `torch.distributed`'s default (world) group, initialised by `engine.parallel.launch`
+The group is `torch.distributed`'s default (world) group, initialised by `engine.executor.launch`
 (gloo on CPU, NCCL on CUDA) with a timeout, so a collective whose peer hung raises instead of
 waiting forever.
 """
@@ -44,7 +44,7 @@ class TensorParallel:
 
     def split(self, total: int) -> tuple[int, int]:
         """(start, count) of this rank's even share of `total` items (heads, rows, experts); the
-        caller has checked that size divides total (`engine.parallel.sharding.check_divisible`)."""
+        caller has checked that size divides total (`engine.models.parallel.sharding.check_divisible`)."""
         count = total // self.size
         return self.rank * count, count
 
