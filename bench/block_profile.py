@@ -12,7 +12,7 @@ what the step calls:
   it reads (a view costs nothing; a gather of rows is a copy of every attended key and value);
 - `mask`: building the block-causal mask and the key mask;
 - `compute`: forward - kv write - kv read - mask;
-- `decide`: the decoding policies' tensor work (`decide_step`);
+- `decide`: the decoding policies' tensor work (`DecodingMode.decide`);
 - `host`: step - forward - decide: building the batch, the one host read, the scheduler.
 
 Models: `sdar-tiny` (models/sdar-tiny, held-out chat problems, block-dynamic 0.9, 128 new tokens)
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from random_models import build_random
 
-import engine.engine as engine_module
+import engine.mode as mode_module
 import engine.models.block_transformer as block_module
 import engine.models.kv_cache as kv_module
 from engine.chat import chat_prompt_ids
@@ -117,7 +117,7 @@ def instrument_modules(timers: Timers) -> None:
     kv_module.CacheWrite.write_and_read = timers.wrap("kv write+read", kv_module.CacheWrite.write_and_read)
     kv_module.CacheWrite.key_mask = timers.wrap("mask", kv_module.CacheWrite.key_mask)
     block_module.block_causal_mask = timers.wrap("mask", block_module.block_causal_mask)
-    engine_module.decide_step = timers.wrap("decide", engine_module.decide_step)
+    mode_module.DecodingMode.decide = timers.wrap("decide", mode_module.DecodingMode.decide)  # the block mode's
 
 
 def instrument_model(model: DiffusionTransformer, timers: Timers) -> None:

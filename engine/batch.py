@@ -11,9 +11,9 @@ policies are present, which rows sample) is gathered in the same pass over the r
 from __future__ import annotations
 
 import array
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -50,11 +50,10 @@ class ForwardOutput:
 
 @dataclass(frozen=True)
 class StepDecision:
-    """What a step decided (`engine.decide`, or a mode's own decide step)."""
+    """What a step decided (`DecodingMode.decide`): what `Slots.write_back` writes, and the summary."""
 
     tokens: torch.Tensor  # [B, W] each row's block after the step
-    first_conf: Optional[torch.Tensor]  # the policies' row state to store (None: no policy of the step keeps one)
-    low_yield: Optional[torch.Tensor]
+    state: Mapping[str, torch.Tensor]  # the row state to store, by name (engine/decoding/row_state.py)
     summary: torch.Tensor  # engine.summary.encode
 
 

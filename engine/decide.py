@@ -1,13 +1,16 @@
-"""The decide step: from a step's logits to what each row commits, and the summary the host reads.
+"""The mask-token decide step (`DecodingMode.decide`'s default: masked and block diffusion): from a
+step's logits to what each row commits, and the summary the host reads.
 
 The logits are filtered (top-k / top-p / min-p), every position gets a prediction and a confidence
 (`engine.decoding.sampling`), the policy registry decides every row by its policy
 (`engine.decoding.registry.decide`), and the step ends with one summary tensor (`engine.summary`),
 whose host copy is the step's one device-to-host transfer. Which positions are still undecided is
-the decoding mode's progress measure (`DecodingMode.undecided`).
+the decoding mode's progress measure (`undecided`: `DecodingMode.undecided`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -18,14 +21,13 @@ from engine.decoding.knobs import field_words
 from engine.decoding.params import DecodeParams
 from engine.decoding.registry import POLICIES, PolicyInputs, decide, policy_rows
 from engine.decoding.sampling import CONF_PROB, confidence, filter_min_p, filter_top_k_top_p, predict, token_logprobs
-from engine.mode import DecodingMode
 from engine.slots import RowTables
 
 _WORDS = field_words(DecodeParams)
 
 
-def decide_step(batch: Batch, rows: RowTables, out: ForwardOutput, mode: DecodingMode,
-                end_ids: torch.Tensor) -> StepDecision:
+def decide_masks(batch: Batch, rows: RowTables, out: ForwardOutput, end_ids: torch.Tensor, mask_id: int,
+                 undecided_of: Callable[[torch.Tensor], torch.Tensor]) -> StepDecision:
     """Predict, decide and commit for every row."""
     knobs = rows.knobs
     logits = raw_logits = out.logits
@@ -36,7 +38,7 @@ def decide_step(batch: Batch, rows: RowTables, out: ForwardOutput, mode: Decodin
         logits = filter_min_p(logits, knobs["min_p"])
     policy = knobs["policy"]
     editing = [name for name in batch.policies if POLICIES[name].edits]
-    x0, unmasked = predict(logits, batch.sampled, mode.mask_id,
+    x0, unmasked = predict(logits, batch.sampled, mask_id,
                            mask_rows=policy_rows(policy, editing) if editing else None)
     kinds: dict[int, list[str]] = {}
     for name in batch.policies:
@@ -50,20 +52,20 @@ def decide_step(batch: Batch, rows: RowTables, out: ForwardOutput, mode: Decodin
     generated = batch.block_start[:, None] + position >= batch.prompt_len[:, None]
     # a row's store pass (SDAR) commits nothing: its block is the next one, not yet denoised
     denoising = in_block & (batch.commits > 0)[:, None]
-    undecided = mode.undecided(block_tokens)
+    undecided = undecided_of(block_tokens)
     candidates = undecided & denoising
     inputs = PolicyInputs(conf=conf, candidates=candidates, x0=x0, unmasked=unmasked, tokens=block_tokens,
                           editable=~undecided & denoising & generated, step=batch.step, block=batch.block,
                           quota=batch.quota, block_length=batch.block_length, steps_per_block=batch.steps_per_block,
-                          num_blocks=batch.num_blocks, knobs=knobs, words=_WORDS, first_conf=rows.first_conf,
-                          low_yield=rows.low_yield, first_only=batch.first_only > 0 if batch.any_first_only else None)
+                          num_blocks=batch.num_blocks, knobs=knobs, words=_WORDS, state=rows.state,
+                          first_only=batch.first_only > 0 if batch.any_first_only else None)
     decision = decide(inputs, batch.policies)
     commit, edit, tokens = decision.commit, decision.edit, decision.tokens
     assert edit is not None and tokens is not None and decision.forced is not None
     new_tokens = torch.where(commit | edit, tokens, block_tokens)
     # a committed position holds a prediction, never the mask, but for a policy that edits, whose
     # commits and edits may write the mask id
-    still = mode.undecided(new_tokens) & denoising
+    still = undecided_of(new_tokens) & denoising
     # first still-undecided position and first end token (width: none)
     first_undecided = torch.where(still, position, width).amin(dim=1)
     is_end = torch.isin(new_tokens, end_ids)
@@ -77,9 +79,9 @@ def decide_step(batch: Batch, rows: RowTables, out: ForwardOutput, mode: Decodin
     counts = [m.sum(dim=1) for m in (committed, still, decision.forced, high, low)]
     counts += [decision.grinding_exit, end_pos, first_undecided, edit.sum(dim=1), (committed & is_end).sum(dim=1)]
     logprobs = token_logprobs(raw_logits, tokens, batch.logprob_k) if batch.logprob_k >= 0 else None
-    first_conf, low_yield = decision.first_conf, decision.low_yield
-    if first_conf is not None and low_yield is not None:  # a forward that commits nothing is no step
-        step = (batch.commits > 0)
-        first_conf = torch.where(step[:, None], first_conf, rows.first_conf)
-        low_yield = torch.where(step, low_yield, rows.low_yield)
-    return StepDecision(new_tokens, first_conf, low_yield, summary.encode(counts, new_tokens, logprobs))
+    state = {}
+    if decision.state is not None:  # a forward that commits nothing is no step: its rows keep their state
+        step = batch.commits > 0
+        state = {name: torch.where(step.view(-1, *[1] * (value.dim() - 1)), value, rows.state[name])
+                 for name, value in decision.state.items()}
+    return StepDecision(new_tokens, state, summary.encode(counts, new_tokens, logprobs))

@@ -28,7 +28,6 @@ from engine import summary
 from engine.batch import Batch
 from engine.config import EngineConfig
 from engine.cpus import set_threads
-from engine.decide import decide_step
 from engine.decoding.params import DecodeParamError, DecodeParams
 from engine.decoding.types import GenerationResult, RequestStats
 from engine.dual_graphs import DualStepGraphs
@@ -122,7 +121,7 @@ class Engine:
     def _build_step(self) -> None:
         """The step's state, empty: slots, scheduler, decoding mode and runner."""
         mode = MODES[self.family.mode]  # the decoding mode of the model's family: the same for every reset
-        self.slots = mode.slots_class(self.model, self.max_batch)
+        self.slots = mode.slots_class(self.model, self.max_batch, mode.row_state(self.model))
         self.scheduler = self._make_scheduler()
         graphs = DualStepGraphs(self.model, self.max_batch, capture=True) if self.config.uses_cuda_graphs else None
         self.mode = mode(self.model, self.slots, graphs)
@@ -250,9 +249,8 @@ class Engine:
         batch = Batch.build(list(self.scheduler.running), self.mode.plan, self.model.device)
         out = self.runner.run(batch)
         rows = self.slots.rows(batch)
-        decided = self.mode.decide(batch, rows, out, self._end_ids) or decide_step(batch, rows, out, self.mode,
-                                                                                   self._end_ids)
-        self.slots.write_back(batch, out.positions, decided.tokens, decided.first_conf, decided.low_yield)
+        decided = self.mode.decide(batch, rows, out, self._end_ids)
+        self.slots.write_back(batch, out.positions, decided.tokens, decided.state)
         # the step's one device-to-host read
         host = summary.decode(decided.summary.tolist(), batch.width, batch.logprob_k)
         # the blocks this step made final, finished rows' included: read before a finished row's slot

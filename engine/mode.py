@@ -7,8 +7,9 @@ A mode owns what differs between paradigms, so that nothing else branches on the
 - each row's plan for the step (`plan`: which forward, how many tokens fed, which rows share a
   forward, whether its decision is committed), made once a step and stored on the `Batch`;
 - its forwards (`forwards`: the runner's one table, by plan kind) and its cache-advance rule
-  (`after_step`); its slot state's owner (`slots_class`) and, where the shared decide step does not
-  fit it, its own (`decide`: uniform noise);
+  (`after_step`); its slot state's owner (`slots_class`);
+- its whole decide step (`decide`): the mask-token one (`engine.decide`) unless it overrides it
+  (uniform noise);
 - when an end token inside a block ends a row (`ends_inside_block`);
 - the progress measure: which positions are still undecided (`undecided`) and what a canvas starts
   as (`blank`). Masked and block diffusion both measure masks left; a mode without a mask token (one
@@ -24,9 +25,11 @@ from typing import ClassVar, Optional
 import torch
 
 from engine.batch import Batch, ForwardOutput, RowPlan, StepDecision
+from engine.decide import decide_masks
 from engine.decoding.knobs import mode_knobs
 from engine.decoding.params import DecodeParams
-from engine.decoding.registry import POLICIES
+from engine.decoding.registry import POLICIES, policy_state
+from engine.decoding.row_state import RowState
 from engine.dual_graphs import DualStepGraphs
 from engine.errors import RequestError
 from engine.models.transformer import DiffusionTransformer
@@ -64,14 +67,20 @@ class DecodingMode:
     def plan(self, request: Request) -> RowPlan:
         raise NotImplementedError
 
+    @classmethod
+    def row_state(cls, model: DiffusionTransformer) -> dict[str, RowState]:
+        """What the slots keep for each row between steps: its policies' declared state (and, in a
+        mode that overrides this, the mode's own)."""
+        return policy_state(cls.name)
+
     def with_defaults(self, params: DecodeParams) -> DecodeParams:
         """The mode's own knobs left unset, filled from the model (none by default)."""
         return params
 
-    def decide(self, batch: Batch, rows: RowTables, out: ForwardOutput,
-               end_ids: torch.Tensor) -> Optional[StepDecision]:
-        """A mode's own decide step; None: the shared one (`engine.decide`, the policy registry)."""
-        return None
+    def decide(self, batch: Batch, rows: RowTables, out: ForwardOutput, end_ids: torch.Tensor) -> StepDecision:
+        """The step's decisions for every row and its summary: the mask-token decide step (the policy
+        registry's `decide` over the masks left) unless the mode overrides it."""
+        return decide_masks(batch, rows, out, end_ids, self.mask_id, self.undecided)
 
     def after_step(self, request: Request, plan: RowPlan) -> None:
         """The cache-advance rule: what the row's cache holds after its forward (none by default)."""

@@ -14,9 +14,10 @@ Each step, for every row, one forward (`canvas`):
 The decide step (`decide`, batched over the rows) tempers the logits (T from t_max towards t_min),
 samples every position and draws renoise tokens from the row's own generator (`engine.decoding.
 draws`: the one per-row loop, since torch has no batched per-row generator), runs the rows'
-policies, keeps the canvas state in the slots (`engine.uniform_slots`) and commits a done canvas's
-argmax into the slot's canvas. Its summary is the shared one (`engine.summary`): a canvas is
-undecided until committed, so a row streams whole canvases. After an end token in a committed canvas
+policies and returns, for the step's one write-back (`Slots.write_back`), the canvas state (the
+mode's row state, `row_state`) and a done canvas's argmax for the slot's canvas. Its summary is the
+shared one (`engine.summary`): a canvas is undecided until committed, so a row streams whole
+canvases. After an end token in a committed canvas
 nothing more is generated (the official loop pads it out).
 
 Prefix caching (engine.prefix_cache) holds whole blocks of `canvas_length` positions from position 0:
@@ -35,7 +36,8 @@ from engine import summary
 from engine.batch import Batch, ForwardOutput, RowPlan, StepDecision
 from engine.decoding import uniform as U
 from engine.decoding.params import DecodeParams
-from engine.decoding.registry import decide_canvas
+from engine.decoding.registry import decide_canvas, policy_state
+from engine.decoding.row_state import RowState, merged
 from engine.decoding.sampling import token_logprobs
 from engine.host_copy import to_device
 from engine.mode import DecodingMode, ForwardFn
@@ -61,6 +63,7 @@ class UniformDiffusion(DecodingMode):
         super().__init__(model, slots, dual_graphs)
         self.mask_id = self.blank = BLANK
         self.canvas_length: int = model.canvas_length
+        self._policy_state = tuple(policy_state(self.name))  # the row state its policies read
         # the checkpoint's generation_config.json, then the official library defaults
         generation = getattr(model, "generation_config", None) or {}
         sampler = generation.get("sampler_config") or {}
@@ -76,6 +79,19 @@ class UniformDiffusion(DecodingMode):
     @property
     def forwards(self) -> dict[str, ForwardFn]:
         return {CANVAS: self._canvas}
+
+    @classmethod
+    def row_state(cls, model: Any) -> dict[str, RowState]:
+        """Its policies' state and the canvas state between steps: `noisy` the canvas the decoder reads
+        next (uniform random ids at a canvas's start); `argmax` the previous step's argmax canvas and
+        `stable` the consecutive steps it has not changed (the stop rule's count); `soft` the next
+        step's self-conditioning input (the soft embeddings of the tempered logits; the forward alone
+        reads it); `accepted` the previous step's accepted count."""
+        length = model.canvas_length
+        canvas = {"noisy": RowState((length,)), "argmax": RowState((length,)), "stable": RowState(),
+                  "soft": RowState((length, model.config.hidden_size), model.dtype, read=False),
+                  "accepted": RowState()}
+        return merged([policy_state(cls.name), canvas])
 
     def with_defaults(self, params: DecodeParams) -> DecodeParams:
         unset = {name: value for name, value in self.defaults.items() if getattr(params, name) is None}
@@ -140,9 +156,9 @@ class UniformDiffusion(DecodingMode):
         fresh = [requests[b] for b in starting]
         at = to_device(torch.tensor([r.slot for r in fresh]), slots.device)
         draws = [slots.draws[r.slot] for r in fresh]
-        slots.noisy[at] = torch.cat([d.canvas((1, length)) for d in draws if d is not None]).to(slots.device)
-        for state in (slots.stable, slots.settled, slots.accepted, slots.low_yield):
+        for state in slots.state.values():  # a canvas's state starts at zero
             state.index_fill_(0, at, 0)  # no host value to copy (an assigned 0 would be one)
+        slots.state["noisy"][at] = torch.cat([d.canvas((1, length)) for d in draws if d is not None]).to(slots.device)
 
     def _canvas(self, rows: Batch, width: int) -> torch.Tensor:
         """Logits [B, CL, V] of each row's noisy canvas against its cache."""
@@ -152,15 +168,15 @@ class UniformDiffusion(DecodingMode):
             self._encode_and_draw(rows, starting)
         soft: Optional[torch.Tensor] = None
         if len(starting) < len(requests):  # a zero signal is exactly no self-conditioning
-            soft = torch.where((rows.step > 0)[:, None, None], slots.soft[rows.slots], 0)
-        return self.model.decode(slots.noisy[rows.slots], slots.store, rows=rows.slots, self_conditioning=soft,
+            soft = torch.where((rows.step > 0)[:, None, None], slots.state["soft"][rows.slots], 0)
+        return self.model.decode(slots.state["noisy"][rows.slots], slots.store, rows=rows.slots, self_conditioning=soft,
                                  width=max(r.block_start for r in requests) + self.canvas_length)
 
     # ------------------------------------------------------------------------------- decide step
 
     def decide(self, batch: Batch, rows: RowTables, out: ForwardOutput, end_ids: torch.Tensor) -> StepDecision:
         """Sample, accept, stop and commit for every row (module docstring)."""
-        slots, at = self.slots, batch.slots
+        slots, at, state = self.slots, batch.slots, rows.state
         knobs = rows.knobs
         scaled = out.logits / U.temperature(batch.step, knobs)[:, None, None]
         probabilities = scaled.softmax(dim=-1)
@@ -172,25 +188,19 @@ class UniformDiffusion(DecodingMode):
             renoise.append(draws.renoise((1, self.canvas_length)))
         argmax = scaled.argmax(dim=-1)
         later = batch.step > 0
-        same = (argmax == slots.argmax[at]).all(dim=-1) & later
-        stable = torch.where(same, slots.stable[at] + 1, 0)
+        same = (argmax == state["argmax"]).all(dim=-1) & later
+        stable = torch.where(same, state["stable"] + 1, 0)
         x = U.CanvasInputs(entropy=U.entropy(scaled),
-                           canvas_in=slots.noisy[at], sampled=torch.cat(sampled).to(at.device),
+                           canvas_in=state["noisy"], sampled=torch.cat(sampled).to(at.device),
                            renoise=torch.cat(renoise).to(at.device), stable=stable, canvas_index=batch.block,
-                           knobs=knobs, settled=slots.settled[at], accepted_before=slots.accepted[at],
-                           flat_steps=rows.low_yield)
+                           knobs=knobs, accepted_before=state["accepted"],
+                           state={name: state[name] for name in self._policy_state})
         d = decide_canvas(x, batch.policies)
         capped = batch.step + 1 >= batch.steps_per_block
         done = d.done | capped
-        slots.noisy[at] = d.next_canvas
-        slots.argmax[at] = argmax
-        slots.stable[at] = stable
-        slots.soft[at] = self.model.soft_embeddings(scaled)
-        slots.accepted[at] = d.accepted.sum(dim=-1)
-        if d.settled is not None and d.flat_steps is not None:
-            slots.settled[at] = d.settled
-            slots.low_yield[at] = d.flat_steps
-        return StepDecision(torch.where(done[:, None], argmax, BLANK), None, None,
+        canvas_state = {"noisy": d.next_canvas, "argmax": argmax, "stable": stable,
+                        "soft": self.model.soft_embeddings(scaled), "accepted": d.accepted.sum(dim=-1)}
+        return StepDecision(torch.where(done[:, None], argmax, BLANK), {**canvas_state, **(d.state or {})},
                             self._summary(batch, out, argmax, done, capped & ~d.done, d.grinding_exit, end_ids))
 
     def _summary(self, batch: Batch, out: ForwardOutput, argmax: torch.Tensor, done: torch.Tensor,

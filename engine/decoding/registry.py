@@ -15,13 +15,14 @@ A leaf module: it imports the pure policy functions and nothing of the engine's 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Protocol
 
 import torch
 
 from engine.decoding import policies as P
 from engine.decoding import uniform as U
+from engine.decoding.row_state import BLOCK_WIDE, RowState, merged
 from engine.decoding.sampling import CONF_MARGIN, CONF_NEG_ENTROPY, CONF_PROB
 
 MASKED, BLOCK, UNIFORM = "masked", "block", "uniform"  # the decoding modes (engine/mode.py)
@@ -67,8 +68,7 @@ class PolicyInputs:
     num_blocks: torch.Tensor
     knobs: Mapping[str, torch.Tensor]  # [B] each declared device knob, by its DecodeParams name
     words: Mapping[str, tuple[str, ...]]  # a word knob's words: its column holds the word's index
-    first_conf: torch.Tensor  # [B, W] Box 2's s_i as stored so far
-    low_yield: torch.Tensor  # [B] Box 7's counter
+    state: Mapping[str, torch.Tensor]  # each declared row state (Policy.state) as stored so far, by name
     first_only: Optional[torch.Tensor] = None  # [B] rows whose block's first forward commits its first token
 
     def word(self, knob: str, word: str) -> torch.Tensor:
@@ -80,8 +80,7 @@ class PolicyInputs:
 class Decision:
     commit: torch.Tensor  # [B, W]
     forced: Optional[torch.Tensor] = None  # [B, W] committed below their threshold
-    first_conf: Optional[torch.Tensor] = None  # [B, W] row state to store back
-    low_yield: Optional[torch.Tensor] = None  # [B]
+    state: Optional[dict[str, torch.Tensor]] = None  # the row state to store back, by name (Policy.state)
     grinding_exit: Optional[torch.Tensor] = None  # [B]
     edit: Optional[torch.Tensor] = None  # [B, W] decided positions that take the prediction
     tokens: Optional[torch.Tensor] = None  # [B, W] what committed and edited positions take (default: x0)
@@ -145,10 +144,11 @@ def cai_knobs(x: PolicyInputs) -> P.CaiKnobs:
 
 def decide_cai(x: PolicyInputs) -> Decision:
     """CAI, Algorithm 1 (policies.cai_step), with Box 2's s_i stored at a block's first step."""
-    first_conf = P.box2_first_step_confidence(x.conf, x.first_conf, x.step)
+    first_conf = P.box2_first_step_confidence(x.conf, x.state["first_conf"], x.step)
     out = P.cai_step(x.conf, x.candidates, x.step, x.steps_per_block, x.block, x.num_blocks, x.block_length,
-                     P.CaiState(first_conf=first_conf, low_yield=x.low_yield), cai_knobs(x))
-    return Decision(out.commit, out.forced, first_conf, out.low_yield, out.grinding_exit)
+                     P.CaiState(first_conf=first_conf, low_yield=x.state["low_yield"]), cai_knobs(x))
+    return Decision(out.commit, out.forced, {"first_conf": first_conf, "low_yield": out.low_yield},
+                    out.grinding_exit)
 
 # ------------------------------------------------------------------------------------- host rules
 
@@ -224,14 +224,20 @@ class Policy:
     # least one token a step), "blocks" (`max_steps_per_block` a block), "canvases"
     # (`max_denoising_steps` a canvas)
     step_bound: str = "steps"
+    # what it keeps for each row between steps, by name (engine/decoding/row_state.py)
+    state: Mapping[str, RowState] = field(default_factory=dict)
 
 
+# Box 2's s_i per block position, Box 7's low-yield counter
+CAI_STATE = {"first_conf": RowState((BLOCK_WIDE,), torch.float32), "low_yield": RowState()}
+# each canvas position's settling count, Box 7's counter
+CONVERGE_STATE = {"settled": RowState((BLOCK_WIDE,)), "low_yield": RowState()}
 _DREAM = {"quota": dream_quota, "schedule": dream_schedule, "modes": frozenset({MASKED}), "one_block": True}
 
 POLICIES: dict[str, Policy] = {
     "fixed": Policy(decide_rank, quota=llada_quota),
     "threshold": Policy(decide_threshold, step_bound="tokens"),
-    "cai": Policy(decide_cai),
+    "cai": Policy(decide_cai, state=CAI_STATE),
     "dream-maskgit_plus": Policy(decide_rank, **_DREAM),
     "dream-entropy": Policy(decide_rank, conf_kind=CONF_NEG_ENTROPY, **_DREAM),
     "dream-topk_margin": Policy(decide_rank, conf_kind=CONF_MARGIN, **_DREAM),
@@ -244,9 +250,15 @@ POLICIES: dict[str, Policy] = {
                          modes=frozenset({BLOCK}), step_bound="blocks"),
     # uniform-noise diffusion (DiffusionGemma): the official entropy-bound rule; the convergence-aware one
     "dg-official": Policy(canvas=U.decide_official, modes=frozenset({UNIFORM}), step_bound="canvases"),
-    "dg-converge": Policy(canvas=U.decide_converge, modes=frozenset({UNIFORM}), step_bound="canvases"),
+    "dg-converge": Policy(canvas=U.decide_converge, modes=frozenset({UNIFORM}), step_bound="canvases",
+                          state=CONVERGE_STATE),
 }
 POLICY_NAMES = tuple(POLICIES)  # the `policy` knob's words: its slot-table column holds the index
+
+
+def policy_state(mode: str) -> dict[str, RowState]:
+    """The row state of every policy the decoding mode `mode` serves."""
+    return merged(p.state for p in POLICIES.values() if mode in p.modes)
 
 
 def policy_rows(policy: torch.Tensor, names: Collection[str]) -> torch.Tensor:
@@ -257,30 +269,47 @@ def policy_rows(policy: torch.Tensor, names: Collection[str]) -> torch.Tensor:
     return rows
 
 
+def _merge_by_policy(inputs: Any, present: Collection[str], fn_of: Callable[[str], Optional[Callable[[Any], Any]]],
+                     out: Any) -> set[str]:
+    """The one dispatcher: each present policy's function once (policies sharing a function run it
+    once), merged into `out` field by field: per row, the field of the row's policy's decision (a
+    field a decision leaves None keeps `out`'s). Returns the fields some decision set."""
+    by_fn: dict[Callable[[Any], Any], list[str]] = {}
+    for name in sorted(present):
+        fn = fn_of(name)
+        assert fn is not None, f"{name} does not decide in this mode"
+        by_fn.setdefault(fn, []).append(name)
+    written: set[str] = set()
+    for fn, names in by_fn.items():
+        decision = fn(inputs)
+        mine = policy_rows(inputs.knobs["policy"], names) if len(by_fn) > 1 else None
+        for f in fields(decision):
+            value = getattr(decision, f.name)
+            if value is None:
+                continue
+            written.add(f.name)
+            if isinstance(value, dict):  # row state: merged name by name
+                setattr(out, f.name, {**getattr(out, f.name), **{
+                    name: _rows_of(mine, new, getattr(out, f.name)[name]) for name, new in value.items()}})
+            else:
+                setattr(out, f.name, _rows_of(mine, value, getattr(out, f.name)))
+    return written
+
+
+def _rows_of(mine: Optional[torch.Tensor], value: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """`value` at the rows `mine` ([B] bool; None: every row), `before` elsewhere."""
+    return value if mine is None else torch.where(mine.view(-1, *[1] * (value.dim() - 1)), value, before)
+
+
 def decide(x: PolicyInputs, present: Collection[str]) -> Decision:
     """Each present policy's decide function once; per row, the decision of the row's policy. Then
     Fast-dLLM's Dream block decoder's rule (`commit_first_at_block_start`): a block's first forward
     commits its first position alone."""
-    by_fn: dict[DecideFn, list[str]] = {}
-    for name in sorted(present):
-        fn = POLICIES[name].decide
-        assert fn is not None, f"{name} is a uniform-noise policy (decide_canvas)"
-        by_fn.setdefault(fn, []).append(name)
     zeros = torch.zeros_like(x.candidates)
-    out = Decision(zeros, forced=zeros, edit=zeros, tokens=x.x0, first_conf=x.first_conf, low_yield=x.low_yield,
+    out = Decision(zeros, forced=zeros, edit=zeros, tokens=x.x0, state=dict(x.state),
                    grinding_exit=torch.zeros_like(x.step, dtype=torch.bool))
-    stateful = False
-    for fn, names in by_fn.items():
-        decision = fn(x)
-        mine = policy_rows(x.knobs["policy"], names) if len(by_fn) > 1 else None
-        for name in ("commit", "forced", "edit", "tokens", "first_conf", "low_yield", "grinding_exit"):
-            value = getattr(decision, name)
-            if value is not None:
-                setattr(out, name, value if mine is None else torch.where(
-                    mine if value.dim() == 1 else mine[:, None], value, getattr(out, name)))
-        stateful |= decision.first_conf is not None
-    if not stateful:
-        out.first_conf = out.low_yield = None
+    if "state" not in _merge_by_policy(x, present, lambda name: POLICIES[name].decide, out):
+        out.state = None  # no policy of the step keeps row state: nothing to store back
     if x.first_only is not None:
         first = torch.zeros_like(x.candidates)
         first[:, 0] = True
@@ -292,17 +321,8 @@ def decide_canvas(x: U.CanvasInputs, present: Collection[str]) -> U.CanvasDecisi
     """Each present uniform-noise policy once; per row, the decision of the row's policy (the row
     state of a policy that keeps none passes through)."""
     out = U.CanvasDecision(x.canvas_in, torch.zeros_like(x.canvas_in, dtype=torch.bool),
-                           torch.zeros_like(x.stable, dtype=torch.bool), x.settled, x.flat_steps,
+                           torch.zeros_like(x.stable, dtype=torch.bool), dict(x.state),
                            torch.zeros_like(x.stable, dtype=torch.bool))
-    names = sorted(present)
-    for name in names:
-        fn = POLICIES[name].canvas
-        assert fn is not None, f"{name} is not a uniform-noise policy"
-        decision = fn(x)
-        mine = policy_rows(x.knobs["policy"], [name]) if len(names) > 1 else None
-        for field_name in ("next_canvas", "accepted", "done", "settled", "flat_steps", "grinding_exit"):
-            value = getattr(decision, field_name)
-            if value is not None:
-                setattr(out, field_name, value if mine is None else torch.where(
-                    mine if value.dim() == 1 else mine[:, None], value, getattr(out, field_name)))
+    if "state" not in _merge_by_policy(x, present, lambda name: POLICIES[name].canvas, out):
+        out.state = None
     return out

@@ -42,9 +42,11 @@ class CanvasInputs:
     stable: torch.Tensor  # [B] consecutive steps whose argmax equalled the previous one (this step's included)
     canvas_index: torch.Tensor  # [B] 0-based canvas of the row
     knobs: Mapping[str, torch.Tensor]  # [B] each declared device knob, by name
-    settled: torch.Tensor  # [B, CL] steps each position's accepted sample has stayed the same (dg-converge)
     accepted_before: torch.Tensor  # [B] positions the previous step accepted (0 at a canvas's first step)
-    flat_steps: torch.Tensor  # [B] Box 7's counter: consecutive steps the accepted set did not grow enough
+    # the policies' row state (registry: Policy.state), by name: dg-converge's `settled` [B, CL] (steps
+    # each position's accepted sample has stayed the same) and `low_yield` [B] (Box 7's counter:
+    # consecutive steps the accepted set did not grow enough)
+    state: Mapping[str, torch.Tensor]
 
 
 @dataclass
@@ -52,8 +54,7 @@ class CanvasDecision:
     next_canvas: torch.Tensor  # [B, CL]
     accepted: torch.Tensor  # [B, CL] the samples kept
     done: torch.Tensor  # [B] the canvas is committed now (the step cap is the mode's)
-    settled: Optional[torch.Tensor] = None  # [B, CL] row state to store back (dg-converge)
-    flat_steps: Optional[torch.Tensor] = None  # [B]
+    state: Optional[dict[str, torch.Tensor]] = None  # the row state to store back, by name
     grinding_exit: Optional[torch.Tensor] = None  # [B] done by the grinding detector
 
 
@@ -133,13 +134,14 @@ def decide_converge(x: CanvasInputs) -> CanvasDecision:
     the entropy bound; the canvas ends by the relaxed stop rule or the grinding detector (with a
     stable argmax)."""
     k = x.knobs
-    frozen_before = (k["settle_steps"] > 0)[:, None] & (x.settled >= k["settle_steps"][:, None])
+    settled_before, flat_before = x.state["settled"], x.state["low_yield"]
+    frozen_before = (k["settle_steps"] > 0)[:, None] & (settled_before >= k["settle_steps"][:, None])
     budget_entropy = torch.where(frozen_before, 0.0, x.entropy)  # sorted first, summing to nothing
     accepted = entropy_bound_accept(budget_entropy, k["entropy_bound"]) | frozen_before
-    frozen, settled = settle(x.settled, accepted, x.sampled, x.canvas_in, k["settle_steps"])
+    frozen, settled = settle(settled_before, accepted, x.sampled, x.canvas_in, k["settle_steps"])
     next_canvas = torch.where(frozen, x.canvas_in, torch.where(accepted, x.sampled, x.renoise))
     confidence = relaxed_confidence(k["confidence_threshold"], x.canvas_index, k["canvas_relax"])
     stop = official_stop(x.stable, x.entropy.mean(dim=-1), k, confidence)
-    flat, fired = grinding(accepted, x.accepted_before, x.flat_steps, k["eta"], k["patience"])
+    flat, fired = grinding(accepted, x.accepted_before, flat_before, k["eta"], k["patience"])
     cut = fired & k["adaptive_stop"] & (x.stable >= k["stability_threshold"]) & ~stop
-    return CanvasDecision(next_canvas, accepted, stop | cut, settled, flat, cut)
+    return CanvasDecision(next_canvas, accepted, stop | cut, {"settled": settled, "low_yield": flat}, cut)

@@ -9,6 +9,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from engine.engine import Engine
 from engine.scoring import ScoringJob
 
@@ -48,9 +50,9 @@ def state_digest(replica: Replica) -> str:
     digest.update(engine.slots.canvas.cpu().numpy().tobytes())
     slots = engine.slots
     tables = {**{f"knobs.{kind.__name__}": table for kind, table in slots.knobs.items()},
-              "first_conf": slots.first_conf, "low_yield": slots.low_yield}
+              **{f"state.{name}": value for name, value in slots.state.items()}}
     for name, value in sorted(tables.items()):
-        digest.update(name.encode() + value.cpu().numpy().tobytes())
+        digest.update(name.encode() + value.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     if engine.prefix_cache is not None:  # the blocks cached, in LRU order: each rank's decisions alike
         digest.update(b"".join(engine.prefix_cache.blocks))
     return digest.hexdigest()

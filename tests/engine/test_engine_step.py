@@ -161,7 +161,6 @@ def test_the_decide_step_commits_what_cai_step_decides(llada_model):
     """Through the slot tables and the knob columns, at any block and step, with any stored s_i and
     counter, the engine's decide step commits what `cai_step` decides from the requests' knobs."""
     from engine.batch import ForwardOutput
-    from engine.decide import decide_step
     from engine.decoding import policies as P
     from engine.decoding.sampling import confidence, predict
 
@@ -191,11 +190,11 @@ def test_the_decide_step_commits_what_cai_step_decides(llada_model):
         logits = torch.randn(4, width, llada_model.config.vocab_size, generator=generator) * 3
         done = torch.rand(4, width, generator=generator) < 0.3
         block_tokens = torch.where(done, 5, mask_id)
-        slots.first_conf[:, :width] = torch.rand(4, width, generator=generator)
-        slots.low_yield[:] = torch.randint(0, 3, (4,), generator=generator)
-        stored, counter = slots.first_conf[:, :width].clone(), slots.low_yield.clone()
+        slots.state["first_conf"][:, :width] = torch.rand(4, width, generator=generator)
+        slots.state["low_yield"][:] = torch.randint(0, 3, (4,), generator=generator)
+        stored, counter = slots.state["first_conf"][:, :width].clone(), slots.state["low_yield"].clone()
         out = ForwardOutput(logits, block_tokens, in_block, batch.block_start[:, None] + torch.arange(width))
-        decided = decide_step(batch, slots.rows(batch), out, engine.mode, torch.tensor(llada_model.special.end_ids))
+        decided = engine.mode.decide(batch, slots.rows(batch), out, torch.tensor(llada_model.special.end_ids))
 
         x0, _ = predict(logits, [], mask_id)
         conf = confidence(logits, x0, {})
@@ -218,7 +217,7 @@ def test_the_decide_step_commits_what_cai_step_decides(llada_model):
                               batch.block_length, P.CaiState(P.box2_first_step_confidence(conf, stored, step), counter),
                               knobs)
         assert torch.equal(decided.tokens != block_tokens, expected.commit)
-        assert torch.equal(decided.low_yield, expected.low_yield)
+        assert torch.equal(decided.state["low_yield"], expected.low_yield)
 
 
 def test_the_mask_token_is_never_predicted():

@@ -43,7 +43,7 @@ def _inputs(conf, tokens, x0, quota, threshold, editing_threshold, generated=Non
     return PolicyInputs(conf=conf, candidates=candidates, x0=x0, unmasked=torch.where(x0 == MASK, 0, x0),
                         tokens=tokens, editable=~candidates & generated, step=zeros if step is None else step,
                         block=zeros, quota=torch.tensor(quota), block_length=zeros, steps_per_block=zeros,
-                        num_blocks=zeros, knobs=knobs, words={}, first_conf=torch.zeros_like(conf), low_yield=zeros)
+                        num_blocks=zeros, knobs=knobs, words={}, state={})
 
 
 def test_one_forward_commits_masks_and_edits_tokens_together():

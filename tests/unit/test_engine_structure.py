@@ -13,9 +13,8 @@ from engine.decoding.registry import POLICY_NAMES
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = ROOT / "engine"
 # The step's modules, lowest first: each may import only those before it (and the packages below).
-STEP = ("request", "summary", "batch", "slots", "uniform_slots", "mode", "masked_mode", "block_mode", "uniform_mode",
-        "model_runner", "decide",
-        "advance", "scheduler", "engine")
+STEP = ("request", "summary", "batch", "slots", "uniform_slots", "decide", "mode", "masked_mode", "block_mode",
+        "uniform_mode", "model_runner", "advance", "scheduler", "engine")
 # Packages below the step: they import nothing of it.
 LOWER = ("engine.decoding", "engine.models", "engine.loading")
 # Above the engine: what starts and drives engines (the tensor-parallel group); nothing below imports it.

@@ -3,6 +3,8 @@ bound and stop rule, and dg-converge's settling, relaxed thresholds and grinding
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from engine.decoding import uniform as U
@@ -51,11 +53,15 @@ def test_the_official_stop_needs_stability_and_confidence_and_the_switch():
     assert U.official_stop(torch.zeros(1, dtype=torch.long), mean[:1], _knobs(1, stability_threshold=0)).all()
 
 
-def _inputs(**kw) -> U.CanvasInputs:
+def _inputs(settled: Optional[torch.Tensor] = None, flat_steps: Optional[torch.Tensor] = None,
+            **kw) -> U.CanvasInputs:
+    """dg-converge's row state (`settled`, Box 7's counter) by the names its registry entry declares."""
+    settled = torch.zeros(1, 3, dtype=torch.long) if settled is None else settled
+    flat_steps = torch.tensor([0]) if flat_steps is None else flat_steps
     base = dict(entropy=torch.tensor([[0.01, 0.5, 0.5]]), canvas_in=torch.tensor([[5, 6, 7]]),
                 sampled=torch.tensor([[5, 8, 9]]), renoise=torch.tensor([[1, 2, 3]]), stable=torch.tensor([0]),
-                canvas_index=torch.tensor([0]), knobs=_knobs(), settled=torch.zeros(1, 3, dtype=torch.long),
-                accepted_before=torch.tensor([0]), flat_steps=torch.tensor([0]))
+                canvas_index=torch.tensor([0]), knobs=_knobs(), accepted_before=torch.tensor([0]),
+                state={"settled": settled, "low_yield": flat_steps})
     return U.CanvasInputs(**{**base, **kw})
 
 
@@ -73,7 +79,7 @@ def test_a_settled_position_keeps_its_token_and_takes_no_entropy_budget():
     d = U.decide_converge(x)
     assert d.accepted.tolist() == [[True, True, True]]
     assert d.next_canvas.tolist() == [[5, 6, 9]]  # the frozen position keeps 6, not the sample 8
-    assert d.settled is not None and d.settled.tolist() == [[2, 3, 0]]  # 5 == 5 counts; 9 != 7 restarts
+    assert d.state is not None and d.state["settled"].tolist() == [[2, 3, 0]]  # 5 == 5 counts; 9 != 7 restarts
 
 
 def test_the_confidence_threshold_relaxes_over_four_canvas_tiers():
