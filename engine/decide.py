@@ -76,8 +76,10 @@ def decide_masks(batch: Batch, rows: RowTables, out: ForwardOutput, end_ids: tor
     high = candidates & (conf > P.CONF_HIGH) if batch.at_block_start else no_band
     low = candidates & (conf < P.CONF_LOW) if batch.at_block_start else no_band
     committed = commit & ~still
-    counts = [m.sum(dim=1) for m in (committed, still, decision.forced, high, low)]
-    counts += [decision.grinding_exit, end_pos, first_undecided, edit.sum(dim=1), (committed & is_end).sum(dim=1)]
+    counts = {"committed": committed.sum(dim=1), "undecided": still.sum(dim=1), "forced": decision.forced.sum(dim=1),
+              "band_high": high.sum(dim=1), "band_low": low.sum(dim=1), "grinding_exit": decision.grinding_exit,
+              "end_pos": end_pos, "first_undecided": first_undecided, "edited": edit.sum(dim=1),
+              "end_committed": (committed & is_end).sum(dim=1)}
     logprobs = token_logprobs(raw_logits, tokens, batch.logprob_k) if batch.logprob_k >= 0 else None
     state = {}
     if decision.state is not None:  # a forward that commits nothing is no step: its rows keep their state

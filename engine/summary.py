@@ -7,7 +7,7 @@ so one float64 tensor carries all of them exactly: one device-to-host copy a ste
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -23,12 +23,13 @@ COUNTS = ("committed", "undecided", "forced", "band_high", "band_low", "grinding
           "first_undecided", "edited", "end_committed")
 
 
-def encode(counts: Sequence[torch.Tensor], new_tokens: torch.Tensor,
+def encode(counts: Mapping[str, torch.Tensor], new_tokens: torch.Tensor,
            logprobs: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-    """[B, len(COUNTS) + W (+ W + 2 W k)] float64: `counts` ([B] each, in COUNTS order), the block's
-    tokens [B, W], then (chosen logprob [B, W], top logprobs [B, W, k], top ids [B, W, k])."""
+    """[B, len(COUNTS) + W (+ W + 2 W k)] float64: `counts` ([B] each, by name: every one of COUNTS),
+    the block's tokens [B, W], then (chosen logprob [B, W], top logprobs [B, W, k], top ids [B, W, k])."""
+    assert counts.keys() == set(COUNTS), f"a summary's counts are {COUNTS}, got {sorted(counts)}"
     batch = new_tokens.shape[0]
-    parts = [torch.stack(counts, dim=1), new_tokens]
+    parts = [torch.stack([counts[name] for name in COUNTS], dim=1), new_tokens]
     if logprobs is not None:
         parts += [t.reshape(batch, -1) for t in logprobs]
     return torch.cat([p.to(torch.float64) for p in parts], dim=1)
@@ -65,5 +66,5 @@ class RowSummary:
 def decode(host: list[list[float]], width: int, logprob_k: int) -> list[RowSummary]:
     """The rows of a summary's host copy (`logprob_k` -1: it carries no logprobs)."""
     n = len(COUNTS)
-    return [RowSummary(*(int(v) for v in row[:n]), tokens=[int(t) for t in row[n:n + width]], _row=row,
-                       _k=max(logprob_k, 0)) for row in host]
+    return [RowSummary(**{name: int(v) for name, v in zip(COUNTS, row[:n], strict=True)},
+                       tokens=[int(t) for t in row[n:n + width]], _row=row, _k=max(logprob_k, 0)) for row in host]

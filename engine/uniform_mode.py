@@ -212,10 +212,10 @@ class UniformDiffusion(DecodingMode):
         tokens = torch.where(committed, argmax, BLANK)
         is_end = torch.isin(tokens, end_ids) & committed
         none = torch.zeros_like(batch.step)
-        counts = [committed.sum(dim=1), (~committed & out.in_block).sum(dim=1),
-                  torch.where(forced, committed.sum(dim=1), 0), none, none,
-                  none if grinding_exit is None else (grinding_exit & done).long(),
-                  torch.where(is_end, position, width).amin(dim=1), torch.where(done, width, 0), none,
-                  is_end.sum(dim=1)]
+        counts = {"committed": committed.sum(dim=1), "undecided": (~committed & out.in_block).sum(dim=1),
+                  "forced": torch.where(forced, committed.sum(dim=1), 0), "band_high": none, "band_low": none,
+                  "grinding_exit": none if grinding_exit is None else (grinding_exit & done).long(),
+                  "end_pos": torch.where(is_end, position, width).amin(dim=1),
+                  "first_undecided": torch.where(done, width, 0), "edited": none, "end_committed": is_end.sum(dim=1)}
         logprobs = token_logprobs(out.logits, argmax, batch.logprob_k) if batch.logprob_k >= 0 else None
         return summary.encode(counts, tokens, logprobs)

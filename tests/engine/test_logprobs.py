@@ -34,7 +34,7 @@ def test_summary_carries_counts_tokens_and_logprobs_exactly():
     chosen = torch.tensor([[-0.5, -1.25, -3.0e-7]])
     values = torch.tensor([[[-0.5, -2.0], [-0.1, -1.25], [-3.0e-7, -20.0]]])
     ids = torch.tensor([[[4, 7], [9, 4], [1, 2]]])
-    counts = [torch.tensor([v]) for v in range(len(summary.COUNTS))]
+    counts = {name: torch.tensor([v]) for v, name in enumerate(summary.COUNTS)}
     tokens = torch.tensor([[126336, 2**40 + 3, 5]])  # ids far past any vocabulary still travel exactly
     encoded = summary.encode(counts, tokens, (chosen, values, ids))
     [row] = summary.decode(encoded.tolist(), width, k)
