@@ -51,7 +51,8 @@ from engine.decoding import DecodeParams
 from engine.engine import Engine
 from engine.models.diffusion_gemma import DiffusionGemmaModel
 from engine.models.gemma4_config import FULL, SLIDING
-from engine.models.gemma4_moe import Gemma4Experts, Gemma4Router
+from engine.models.gemma4_moe import Gemma4Router
+from engine.models.moe import GroupedExperts
 from engine.special_tokens import SpecialTokens
 
 NAME = "dg"
@@ -183,7 +184,7 @@ class DgDims:
     @classmethod
     def of(cls, model: DiffusionGemmaModel) -> DgDims:
         gemma = model.gemma
-        experts = [m for m in model.modules() if isinstance(m, Gemma4Experts)]
+        experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
         expert = sum(p.numel() for p in experts[0].parameters()) // gemma.num_experts
         layers_all = sum(p.numel() for p in model.layers.parameters())
         kinds = tuple((t, gemma.attention(i).num_kv_heads, gemma.attention(i).head_dim)

@@ -36,9 +36,9 @@ from engine.models.config_parsing import config_errors, hf_sizes, refuse_unsuppo
 from engine.models.gemma4_cache import CachePass, Gemma4Cache
 from engine.models.gemma4_config import FULL, SLIDING, Gemma4Spec, parse_gemma4_spec
 from engine.models.gemma4_layers import GeluMlp, Gemma4Layer, Rope
-from engine.models.gemma4_moe import MOE_KERNELS, Gemma4Experts
 from engine.models.gemma4_ops import KindRotaryEmbedding, rms_norm_unweighted
 from engine.models.layers import Float32ScaleRMSNorm
+from engine.models.moe import MOE_KERNELS, GroupedExperts
 from engine.models.parallel.group import SINGLE, TensorParallel
 from engine.models.transformer import check_input_ids
 from engine.special_tokens import SpecialTokens
@@ -169,7 +169,7 @@ class DiffusionGemmaModel(nn.Module):
         if name is not None and name not in MOE_KERNELS:
             raise ValueError(f"unknown MoE kernel {name!r}; known: {', '.join(MOE_KERNELS)}")
         for layer in self.layers:
-            experts: Gemma4Experts = layer.experts
+            experts: GroupedExperts = layer.experts
             experts.kernel = name
 
     def new_cache(self, slots: int, width: int) -> Gemma4Cache:

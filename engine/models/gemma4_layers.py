@@ -24,9 +24,10 @@ from torch import nn
 from engine.models.config import ModelConfig
 from engine.models.gemma4_cache import CachePass
 from engine.models.gemma4_config import AttentionKind
-from engine.models.gemma4_moe import Gemma4Experts, Gemma4Router
+from engine.models.gemma4_moe import Gemma4Router
 from engine.models.gemma4_ops import gelu_tanh, rms_norm_unweighted
 from engine.models.layers import Float32ScaleRMSNorm, FusedLinear, apply_rotary
+from engine.models.moe import GroupedExperts
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, signed sin [B, L, 1, head_dim] float32
 
@@ -96,7 +97,8 @@ class Gemma4Layer(nn.Module):
         self.mlp = GeluMlp(hidden, config.intermediate_size)
         self.pre_feedforward_norm_2, self.post_feedforward_norm_2 = norm(), norm()
         self.router = Gemma4Router(hidden, gemma.num_experts, gemma.experts_per_token, eps)
-        self.experts = Gemma4Experts(hidden, gemma.expert_intermediate_size, gemma.num_experts)
+        self.experts = GroupedExperts(hidden, gemma.expert_intermediate_size, gemma.num_experts, activation=gelu_tanh,
+                                      stacked=True)
         self.post_feedforward_norm = norm()
         self.encoder_scalar = nn.Parameter(torch.ones(1))
         self.decoder_scalar = nn.Parameter(torch.ones(1))

@@ -94,29 +94,43 @@ class ExpertMLP(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """The routed experts this rank holds (all of them on one device), their SwiGLU weights stacked:
-    gate|up rows of local expert e at [e·2I, (e+1)·2I), down rows at [e·H, (e+1)·H). The shard names
-    are the global expert ids (`{e}.gate`, `{e}`), so the loader fills this rank's experts and
-    skips the others' (`engine.models.parallel.sharding`)."""
+    """The routed experts this rank holds (all of them on one device): expert e computes
+    gate|up = x·Wgu[e]ᵀ (gate rows first), out = (activation(gate)·up)·Wd[e]ᵀ, with `activation`
+    SiLU (LLaDA2's SwiGLU) or tanh-GELU (Gemma4). The weights are stacked in one of two layouts, as
+    the checkpoint holds them:
+    - one tensor per expert (LLaDA2): fused linears, gate|up rows of local expert e at
+      [e·2I, (e+1)·2I), down rows at [e·H, (e+1)·H); the shard names are the global expert ids
+      (`{e}.gate`, `{e}`), so the loader fills this rank's experts and skips the others'
+      (`engine.models.parallel.sharding`); quantized through `quantize`;
+    - `stacked` (Gemma4): the checkpoint's two 3-D tensors `gate_up_proj` [E, 2I, H] and
+      `down_proj` [E, H, I], the same memory order; they stay in the model dtype under quantization."""
 
     # quantization (engine.quantization) goes through `quantize`, which splits the stacked weights
     # into one linear pair per expert: neither library's weight can be viewed as [experts, rows, cols]
     quantizes_itself = True
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, first: int = 0,
-                 count: Optional[int] = None) -> None:
+                 count: Optional[int] = None, activation: Callable[[torch.Tensor], torch.Tensor] = F.silu,
+                 stacked: bool = False) -> None:
         super().__init__()
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.num_experts = num_experts  # routed experts of the whole model
         self.first = first  # this rank's experts: global ids [first, first + local)
         self.local = num_experts if count is None else count
-        ids = range(first, first + self.local)
-        self.gate_up_proj: Optional[FusedLinear] = FusedLinear(
-            hidden_size, {f"{e}.{part}": intermediate_size for e in ids for part in ("gate", "up")}, bias=False)
-        self.down_proj: Optional[FusedLinear] = FusedLinear(intermediate_size, {str(e): hidden_size for e in ids},
-                                                            bias=False)
-        self.gate_up_proj.tp_split = self.down_proj.tp_split = "experts"
+        self.activation = activation
+        self.gate_up_proj: Optional[nn.Module | nn.Parameter]
+        self.down_proj: Optional[nn.Module | nn.Parameter]
+        if stacked:
+            self.quantizes_itself = False
+            self.gate_up_proj = nn.Parameter(torch.empty(self.local, 2 * intermediate_size, hidden_size))
+            self.down_proj = nn.Parameter(torch.empty(self.local, hidden_size, intermediate_size))
+        else:
+            ids = range(first, first + self.local)
+            self.gate_up_proj = FusedLinear(
+                hidden_size, {f"{e}.{part}": intermediate_size for e in ids for part in ("gate", "up")}, bias=False)
+            self.down_proj = FusedLinear(intermediate_size, {str(e): hidden_size for e in ids}, bias=False)
+            self.gate_up_proj.tp_split = self.down_proj.tp_split = "experts"
         self.quantized: Optional[nn.ModuleList] = None  # ExpertMLP per local expert, once quantized
         self.kernel: Optional[str] = None  # None: grouped_mm where PyTorch documents it, else plain
 
@@ -124,11 +138,18 @@ class GroupedExperts(nn.Module):
         """(out, in) of one expert's gate|up and down linear layers."""
         return (2 * self.intermediate_size, self.hidden_size), (self.hidden_size, self.intermediate_size)
 
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate|up [local, 2I, H] and down [local, H, I], views of the float weights (either layout)."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        assert gate_up is not None and down is not None, "quantized: no float weights left"
+        if isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter):
+            return gate_up, down
+        return (gate_up.weight.view(self.local, *self.expert_shapes()[0]),
+                down.weight.view(self.local, *self.expert_shapes()[1]))
+
     def quantize(self, convert: Callable[[nn.Linear], nn.Module]) -> None:
         """Replace the stacked float weights with one `convert`ed linear pair per expert."""
-        assert self.gate_up_proj is not None and self.down_proj is not None
-        gate_up = self.gate_up_proj.weight.data.view(self.local, *self.expert_shapes()[0])
-        down = self.down_proj.weight.data.view(self.local, *self.expert_shapes()[1])
+        gate_up, down = (w.data for w in self.stacked_weights())
         experts = []
         for e in range(self.local):
             pair = []
@@ -168,9 +189,7 @@ class GroupedExperts(nn.Module):
         if kernel == _QUANTIZED_KERNEL:
             out = self._quantized(grouped, counts)
         else:
-            assert self.gate_up_proj is not None and self.down_proj is not None
-            gate_up = self.gate_up_proj.weight.view(self.local, 2 * self.intermediate_size, self.hidden_size)
-            down = self.down_proj.weight.view(self.local, self.hidden_size, self.intermediate_size)
+            gate_up, down = self.stacked_weights()
             if kernel == "grouped_mm":
                 out = self._grouped_mm(grouped, counts[:self.local], gate_up, down)
             else:
@@ -190,7 +209,7 @@ class GroupedExperts(nn.Module):
             if count:
                 rows = slice(start, start + count)
                 gate, up = F.linear(grouped[rows], gate_up[expert]).split(self.intermediate_size, dim=-1)
-                out[rows] = F.linear(F.silu(gate) * up, down[expert])
+                out[rows] = F.linear(self.activation(gate) * up, down[expert])
                 start += count
         return out
 
@@ -203,7 +222,7 @@ class GroupedExperts(nn.Module):
                 rows = slice(start, start + count)
                 pair = self.quantized[expert]
                 gate, up = pair.gate_up_proj.forward(grouped[rows]).split(self.intermediate_size, dim=-1)
-                out[rows] = pair.down_proj.forward(F.silu(gate) * up)
+                out[rows] = pair.down_proj.forward(self.activation(gate) * up)
                 start += count
         return out
 
@@ -211,7 +230,7 @@ class GroupedExperts(nn.Module):
                     down: torch.Tensor) -> torch.Tensor:
         ends = counts.cumsum(0).to(torch.int32)
         gate, up = F.grouped_mm(grouped, gate_up.transpose(1, 2), offs=ends).split(self.intermediate_size, dim=-1)
-        return F.grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=ends)
+        return F.grouped_mm(self.activation(gate) * up, down.transpose(1, 2), offs=ends)
 
 
 class SparseMoe(nn.Module):

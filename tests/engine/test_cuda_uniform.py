@@ -18,7 +18,7 @@ from cuda_check import CHECK_DEVICE, CUDA_MARKS, GEN_LENGTH, MODELS, QUICK, mode
 
 from engine import DecodeParams, Engine
 from engine.chat import chat_prompt_ids
-from engine.models.gemma4_moe import Gemma4Experts
+from engine.models.moe import GroupedExperts
 from tinymodels.checker import is_correct
 from tinymodels.evaluate import held_out_problems, model_mix
 from tinymodels.tasks import Problem
@@ -77,7 +77,7 @@ def test_one_host_read_per_step_on_the_device_uniform(record_property):
     model = model_on(NAME, CHECK_DEVICE, "bfloat16")
     plain_calls = [0]
     for module in model.modules():
-        if isinstance(module, Gemma4Experts):
+        if isinstance(module, GroupedExperts):
             module._plain = _counted(module._plain, plain_calls)
     try:
         engine = Engine.from_model(model, tokenizer_of(NAME), max_batch=8)
@@ -86,7 +86,7 @@ def test_one_host_read_per_step_on_the_device_uniform(record_property):
         steps_with_one_read(engine, record_property, lambda: plain_calls[0])
     finally:
         for module in model.modules():
-            if isinstance(module, Gemma4Experts):
+            if isinstance(module, GroupedExperts):
                 del module._plain  # the class's method again
     record_property("plain_experts_calls", plain_calls[0])
 

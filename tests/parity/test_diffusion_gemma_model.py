@@ -22,7 +22,7 @@ from engine.loading.safetensors_stream import read_header
 from engine.loading.weights import plan_weights
 from engine.models.diffusion_gemma import DiffusionGemmaModel
 from engine.models.gemma4_cache import CachePass, Gemma4Cache
-from engine.models.gemma4_moe import MOE_KERNELS
+from engine.models.moe import MOE_KERNELS
 
 LOGITS_ATOL = 5e-4  # the bound: the official float32 decoder is itself ~1e-4 from float64 math
 BATCHING_ATOL = 1e-4  # the same math over other key widths and masks (another SDPA kernel): rounding only
