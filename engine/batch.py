@@ -105,8 +105,11 @@ class Batch:
             row_plan = plan(r)
             plans.append(row_plan)
             first_only = p.commit_first_at_block_start and r.step == 0
-            flat.extend((r.slot, r.step, r.block, r.block_start, r.policy.quota(r), first_only, r.block_length,
-                         r.length, r.prompt_len, r.cached, row_plan.commits, r.steps_per_block, r.num_blocks))
+            row = {"slot": r.slot, "step": r.step, "block": r.block, "block_start": r.block_start,
+                   "quota": r.policy.quota(r), "first_only": first_only, "block_length": r.block_length,
+                   "length": r.length, "prompt_len": r.prompt_len, "cache_start": r.cached,
+                   "commits": row_plan.commits, "steps_per_block": r.steps_per_block, "num_blocks": r.num_blocks}
+            flat.extend(row[name] for name in STEP_FIELDS)
             width = max(width, r.block_length)
             max_length = max(max_length, r.length)
             policies.add(p.policy)
