@@ -28,12 +28,8 @@ def check_decode_steps(params: DecodeParams, body: Union[CompletionRequest, Chat
     if cap is None or max_tokens == 0 or params.max_steps <= cap:
         return
     bound = POLICIES[params.policy].step_bound  # what bounds the policy's steps (DecodeParams.max_steps)
-    if bound == "blocks":
-        param = "decoding.max_steps_per_block"
-    elif bound == "canvases" and "max_denoising_steps" in (body.decoding or {}):
-        param = "decoding.max_denoising_steps"
-    elif bound == "steps" and "steps" in (body.decoding or {}):
-        param = "decoding.steps"
+    if bound.knob is not None and (bound.always or bound.knob in (body.decoding or {})):
+        param = f"decoding.{bound.knob}"
     elif getattr(body, "max_completion_tokens", None) is not None:
         param = "max_completion_tokens"
     else:

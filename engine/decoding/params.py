@@ -39,12 +39,6 @@ def _policy_names() -> tuple[str, ...]:
     return _registry().POLICY_NAMES
 
 
-def _uniform() -> Any:
-    from engine.decoding import uniform
-
-    return uniform
-
-
 def _registry() -> Any:
     """The policy registry, imported on first use: it holds the policies' tensor code, and this
     module is read without torch (`cai-dllm --help`)."""
@@ -176,16 +170,11 @@ class DecodeParams:
 
     @property
     def max_steps(self) -> int:
-        """The most denoising steps a row can take (its policy's `step_bound`): `steps`, since most
-        policies commit what is left at a block's last step; one step per canvas token for a policy
-        that commits at least one a step (`threshold`); `max_steps_per_block` a block for one whose
-        edits may mask tokens again (`block-edit`; a prompt ending inside a block adds one block)."""
-        bound = "steps" if self.policy is None else _registry().POLICIES[self.policy].step_bound
-        if bound == "canvases":
-            return self.num_blocks * (self.max_denoising_steps or _uniform().OFFICIAL["max_denoising_steps"])
-        if bound == "blocks":
-            return (self.num_blocks + 1) * self.max_steps_per_block
-        return self.gen_length if bound == "tokens" else self.total_steps
+        """The most denoising steps a row can take, as its policy's `step_bound` states it (the
+        registry); `steps` when no policy is set yet."""
+        if self.policy is None:
+            return self.total_steps
+        return int(_registry().POLICIES[self.policy].step_bound.max_steps(self))
 
     @property
     def steps_per_block(self) -> int:

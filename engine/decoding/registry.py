@@ -204,6 +204,30 @@ def edit_block_ends(row: Row, counts: StepCounts, undecided_before: int) -> bool
     row.post_steps += 1  # the next forward would start with no mask: a post step
     return row.post_steps > row.params.max_post_steps
 
+# --------------------------------------------------------------------------------- step bounds
+
+
+@dataclass(frozen=True)
+class StepBound:
+    """What bounds a policy's forwards: the most steps a row of it takes (of its resolved
+    `DecodeParams`), and the knob that sets that count (None: the canvas length, `max_tokens`), which
+    a refusal names when the request set it (`always`: even when it did not)."""
+
+    max_steps: Callable[[Any], int]
+    knob: Optional[str] = None
+    always: bool = False
+
+
+# a block's last step commits what is left
+BY_STEPS = StepBound(lambda p: p.total_steps, "steps")
+# at least one token a step
+BY_TOKENS = StepBound(lambda p: p.gen_length)
+# `max_steps_per_block` a block, edits may mask tokens again (a prompt ending inside a block adds one)
+BY_BLOCKS = StepBound(lambda p: (p.num_blocks + 1) * p.max_steps_per_block, "max_steps_per_block", always=True)
+# `max_denoising_steps` a canvas (the official default where the request leaves it to the checkpoint)
+BY_CANVASES = StepBound(lambda p: p.num_blocks * (p.max_denoising_steps or U.OFFICIAL["max_denoising_steps"]),
+                        "max_denoising_steps")
+
 # ----------------------------------------------------------------------------------- the registry
 
 
@@ -220,10 +244,7 @@ class Policy:
     edits: bool = False
     modes: frozenset[str] = field(default=EVERY_MODE)
     one_block: bool = False  # default block: the whole canvas
-    # what bounds its forwards: "steps" (a block's last step commits what is left), "tokens" (at
-    # least one token a step), "blocks" (`max_steps_per_block` a block), "canvases"
-    # (`max_denoising_steps` a canvas)
-    step_bound: str = "steps"
+    step_bound: StepBound = BY_STEPS  # what bounds its forwards (for --max-decode-steps)
     # what it keeps for each row between steps, by name (engine/decoding/row_state.py)
     state: Mapping[str, RowState] = field(default_factory=dict)
 
@@ -236,7 +257,7 @@ _DREAM = {"quota": dream_quota, "schedule": dream_schedule, "modes": frozenset({
 
 POLICIES: dict[str, Policy] = {
     "fixed": Policy(decide_rank, quota=llada_quota),
-    "threshold": Policy(decide_threshold, step_bound="tokens"),
+    "threshold": Policy(decide_threshold, step_bound=BY_TOKENS),
     "cai": Policy(decide_cai, state=CAI_STATE),
     "dream-maskgit_plus": Policy(decide_rank, **_DREAM),
     "dream-entropy": Policy(decide_rank, conf_kind=CONF_NEG_ENTROPY, **_DREAM),
@@ -247,10 +268,10 @@ POLICIES: dict[str, Policy] = {
     "block-dynamic": Policy(decide_block_dynamic, quota=block_quota),
     "block-sequential": Policy(decide_sequential, quota=block_quota),
     "block-edit": Policy(decide_block_edit, quota=transfer_quota, block_ends=edit_block_ends, edits=True,
-                         modes=frozenset({BLOCK}), step_bound="blocks"),
+                         modes=frozenset({BLOCK}), step_bound=BY_BLOCKS),
     # uniform-noise diffusion (DiffusionGemma): the official entropy-bound rule; the convergence-aware one
-    "dg-official": Policy(canvas=U.decide_official, modes=frozenset({UNIFORM}), step_bound="canvases"),
-    "dg-converge": Policy(canvas=U.decide_converge, modes=frozenset({UNIFORM}), step_bound="canvases",
+    "dg-official": Policy(canvas=U.decide_official, modes=frozenset({UNIFORM}), step_bound=BY_CANVASES),
+    "dg-converge": Policy(canvas=U.decide_converge, modes=frozenset({UNIFORM}), step_bound=BY_CANVASES,
                           state=CONVERGE_STATE),
 }
 POLICY_NAMES = tuple(POLICIES)  # the `policy` knob's words: its slot-table column holds the index
