@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 from safetensors.torch import save_file
@@ -78,12 +78,15 @@ def sdar_config(hidden: int, n_layers: int, n_heads: int, n_kv_heads: int, head_
 def llada2_config(hidden: int, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, intermediate: int,
                   vocab_size: int, pad_id: int, experts: int, experts_per_token: int, expert_intermediate: int,
                   shared_experts: int, dense_layers: int, groups: int, groups_per_token: int,
-                  max_len: int = 16384, rope_theta: float = 600000.0) -> dict[str, Any]:
+                  max_len: int = 16384, rope_theta: float = 600000.0,
+                  block_size: Optional[int] = None) -> dict[str, Any]:
     """Every field of the released LLaDA2 mini config.json (the Hub's key order and `model_type:
     llada2_moe`, tests/fixtures/real/llada2.0-mini/), with these sizes, but `auto_map` (see
-    `llada_config`). Like the released file it names no mask or eos id: the official `generate()`
-    takes them as arguments; the engine reads them from the tokenizer files beside it. The router
-    keys the official code never reads (`score_function`, `router_dtype`, ...) keep the real values."""
+    `llada_config`); `block_size`, the trained block, appended when given (the released file names
+    none: its decoders take 32, engine/models/llada2.py). Like the released file it names no mask or
+    eos id: the official `generate()` takes them as arguments; the engine reads them from the
+    tokenizer files beside it. The router keys the official code never reads (`score_function`,
+    `router_dtype`, ...) keep the real values."""
     return {
         "architectures": ["LLaDA2MoeModelLM"], "attention_dropout": 0.0, "dtype": "float32",
         "embedding_dropout": 0.0, "first_k_dense_replace": dense_layers, "head_dim": head_dim, "hidden_act": "silu",
@@ -98,7 +101,7 @@ def llada2_config(hidden: int, n_layers: int, n_heads: int, n_kv_heads: int, hea
         "router_dtype": "fp32", "score_function": "sigmoid", "sliding_window": 4096, "tie_word_embeddings": False,
         "topk_group": groups_per_token, "transformers_version": "4.57.0", "use_bias": False, "use_cache": False,
         "use_qk_norm": True, "use_qkv_bias": False, "use_rmsnorm": True, "use_sliding_window": False,
-        "vocab_size": vocab_size,
+        "vocab_size": vocab_size, **({} if block_size is None else {"block_size": block_size}),
     }
 
 

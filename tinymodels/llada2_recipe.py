@@ -6,13 +6,14 @@ the optimizer and the loop are tinymodels/train.py's).
 The model is LLaDA2's architecture at tiny sizes: fused q|k|v with QK-norm, RoPE on half of each
 head, the first `dense_layers` layers a dense SwiGLU MLP and the rest a mixture of experts (routed
 experts behind LLaDA2's group-limited sigmoid router, plus always-on shared experts), untied head.
-The checkpoint carries no block size (LLaDA2's config has no such field), so it is trained with
-the block the engine decodes an LLaDA2 model with when a request names none."""
+LLaDA2's released config has no block field (its decoders take blocks of 32, the engine's default
+for the family); a model trained with another block states it as `block_size`, which the engine
+reads (engine/models/llada2.py), and the official code takes as `generate(block_length=...)`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -26,17 +27,13 @@ RouterOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 _GROUP_SCORE_EXPERTS = 2  # the official router scores a group by its best two experts
 
 
-def trained_block(config: TrainConfig) -> int:
-    """The block an LLaDA2 model is trained with: the engine's default for the family."""
-    block = FAMILIES["llada2"].default_block
-    if block is None or config.block_size != block:
-        raise ValueError(f"an LLaDA2 checkpoint names no block size, so the engine decodes it with blocks of "
-                         f"{block}; train it with --block-size {block}, got {config.block_size}")
-    return block
+def stated_block(config: TrainConfig) -> Optional[int]:
+    """The block the config states: none for the family's default block (the released field set),
+    else the trained one."""
+    return None if config.block_size == FAMILIES["llada2"].default_block else config.block_size
 
 
 def hf_config(config: TrainConfig) -> dict[str, Any]:
-    trained_block(config)
     if config.experts // config.expert_groups < _GROUP_SCORE_EXPERTS:
         raise ValueError(f"each of the {config.expert_groups} expert groups needs at least "
                          f"{_GROUP_SCORE_EXPERTS} experts (the router scores a group by its best two)")
@@ -44,7 +41,8 @@ def hf_config(config: TrainConfig) -> dict[str, Any]:
         config.d_model, config.layers, config.heads, config.kv_heads or max(1, config.heads // 2),
         config.d_model // config.heads, config.mlp_hidden, len(chars.vocabulary()), chars.special_id(chars.END),
         config.experts, config.experts_per_token, config.expert_hidden, config.shared_experts, config.dense_layers,
-        config.expert_groups, config.expert_groups_per_token, rope_theta=config.rope_theta)
+        config.expert_groups, config.expert_groups_per_token, rope_theta=config.rope_theta,
+        block_size=stated_block(config))
 
 
 def edit_vocabulary() -> int:

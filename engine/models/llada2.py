@@ -5,6 +5,11 @@ before RoPE, RoPE on the first head_dim * partial_rotary_factor dims only, the f
 untied head, predictions in place (no shift). 2.0 and 2.1 share these weights and this math; they
 differ in their decoders (2.1's block mask is additive 0/1: `BlockDiffusionTransformer.forward`).
 
+The released configs name no block (the official `generate()` takes `block_length`, default 32, and
+so does the engine: its family's default block). A config that states `block_size`, as SDAR's does,
+names the block its checkpoint was trained with, and a request that names none decodes with it; the
+official code ignores the key.
+
 Config keys the official code never reads (`rotary_dim`, `score_function`, `router_dtype`,
 `norm_topk_prob`, `moe_router_enable_expert_bias`, `norm_head`, `norm_softmax`, dropouts, sliding
 window) are ignored here too; the router behaviour they name is the official hard-coded one."""
@@ -60,4 +65,5 @@ class LLaDA2Model(BlockDiffusionTransformer):
                 partial_rotary_factor=float(get("partial_rotary_factor")),
                 qk_norm=bool(get("use_qk_norm")),
                 moe=moe,
+                block_size=int(hf["block_size"]) if hf.get("block_size") is not None else None,
             )

@@ -56,9 +56,13 @@ def test_the_config_has_the_released_field_set_and_the_recipes_sizes():
     assert "mask_token_id" not in hf and "block_size" not in hf  # as the released file
 
 
-def test_a_block_other_than_the_engines_llada2_default_is_refused():
-    with pytest.raises(ValueError, match=f"--block-size {BLOCK}"):
-        llada2_recipe.hf_config(_tiny(block_size=BLOCK // 2))
+def test_another_block_is_stated_in_the_config_and_decoded_by_default():
+    """The released field set names no block (the family's default); a model trained with another
+    states it, and the engine's default block for it is that one."""
+    hf = llada2_recipe.hf_config(_tiny(block_size=BLOCK // 4))
+    assert hf["block_size"] == BLOCK // 4 and list(hf)[-1] == "block_size"
+    assert LLaDA2Model.parse_config(hf).block_size == BLOCK // 4
+    assert LLaDA2Model.parse_config(llada2_recipe.hf_config(_tiny())).block_size is None
 
 
 def test_the_mask_id_is_read_from_the_tokenizers_mask_token_text_when_nothing_names_it():
