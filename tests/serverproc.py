@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -65,3 +67,11 @@ def metric(text: str, name: str) -> float:
         if line.startswith(name) and not line.startswith("#") and line[len(name)] in " {":
             total += float(line.split()[-1])
     return total
+
+
+def readme_curls() -> list[tuple[str, dict]]:
+    """(path, JSON body) of each curl of the README's first block that talks to the bundled model."""
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+                 if "curl -s http://127.0.0.1:8000" in b)
+    return [(path, json.loads(body)) for path, body in
+            re.findall(r"curl -s http://127\.0\.0\.1:8000(\S+) .*?-d '(.*?)'", block, re.S)]

@@ -4,25 +4,14 @@ are its own), chat and plain, with the worked result the README shows."""
 
 from __future__ import annotations
 
-import json
-import re
-
 import httpx
 import pytest
-from serverproc import REPO, running_server
+from serverproc import REPO, readme_curls, running_server
 
 from tinymodels.checker import is_correct
 
 pytestmark = pytest.mark.slow
 MODEL = REPO / "models" / "diffusiongemma-tiny"
-
-
-def readme_curls() -> list[tuple[str, dict]]:
-    """(path, JSON body) of each curl of the README's first block that talks to the bundled model."""
-    block = next(b for b in re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S)
-                 if "curl -s http://127.0.0.1:8000" in b)
-    return [(path, json.loads(body)) for path, body in
-            re.findall(r"curl -s http://127\.0\.0\.1:8000(\S+) .*?-d '(.*?)'", block, re.S)]
 
 
 @pytest.mark.skipif(not (MODEL / "model.safetensors").is_file(), reason="the built-in model is not in this tree")
