@@ -25,12 +25,12 @@ def advance(request: Request, info: RowSummary, plan: RowPlan, mode: DecodingMod
     """Advance a row by its step and report what became final: the generated tokens that can no
     longer change (nothing undecided before them; for a policy that edits, the finished blocks)."""
     request.stats.nfe += 1
-    mode.after_step(request, plan)
+    request.cached = mode.cached_after(request, plan)
     offset = request.block_start - request.origin
     if plan.commits:
         stable = offset + min(info.first_undecided, request.block_length)
-        if request.logprobs is not None:
-            _record_logprobs(request, info)
+        if request.mirror.logprobs is not None:
+            _record_logprobs(request, info, mode.blank)
         result = _denoised(request, info, mode)
         if request.policy.edits:  # it may still change its block: finished blocks only
             stable = request.block_start - request.origin
@@ -51,7 +51,7 @@ def _denoised(request: Request, info: RowSummary, mode: DecodingMode) -> Optiona
     stats = request.stats
     offset = request.block_start - request.origin
     width = request.block_length
-    request.generated[offset:offset + width] = info.tokens[:width]
+    request.mirror.tokens[offset:offset + width] = info.tokens[:width]
     stats.tokens_per_step.append(info.committed)
     stats.forced_commits += info.forced
     stats.grinding_exits += info.grinding_exit
@@ -63,6 +63,8 @@ def _denoised(request: Request, info: RowSummary, mode: DecodingMode) -> Optiona
         bands[2] += info.band_low
     undecided_before = request.undecided
     request.undecided = info.undecided
+    if not info.undecided:
+        request.post_steps += 1  # the next forward of the block would start with no mask
     if info.end_pos < info.first_undecided and mode.ends_inside_block(request, info.end_committed):
         stats.steps_per_block.append(request.step + 1)
         return _stop_at(request, offset + info.end_pos - request.tail)
@@ -77,22 +79,22 @@ def _denoised(request: Request, info: RowSummary, mode: DecodingMode) -> Optiona
     return None if request.params.store_pass else _finished_block(request)
 
 
-def _record_logprobs(request: Request, info: RowSummary) -> None:
-    """The logprobs of the positions this step wrote a token to (undecided before it, or an edit): a
-    position's logprobs are those of the step that wrote its final token."""
+def _record_logprobs(request: Request, info: RowSummary, blank: int) -> None:
+    """The logprobs of the positions this step wrote a token to (undecided before it, or an edit; never
+    one it left `blank`): a position's logprobs are those of the step that wrote its final token."""
     offset = request.block_start - request.origin
     k = request.params.logprobs or 0
-    assert request.logprobs is not None
+    assert request.mirror.logprobs is not None
     for position in range(request.block_length):
         token = info.tokens[position]
-        if request.generated[offset + position] != token and token != request.mask_id:
+        if request.mirror.tokens[offset + position] != token and token != blank:
             chosen, top = info.logprob(position)
-            request.logprobs[offset + position] = TokenLogprob(token, chosen, top[:k])
+            request.mirror.logprobs[offset + position] = TokenLogprob(token, chosen, top[:k])
 
 
 def _stop_at(request: Request, end: int) -> GenerationResult:
     """The result of a row stopped at its response index `end` (an end token, nothing undecided before it)."""
-    response = request.generated[request.tail:request.tail + request.gen_length]
+    response = request.mirror.tokens[request.tail:request.tail + request.gen_length]
     if end < request.gen_length:
         return finish(request, FINISH_STOP, response[:end + 1], end)
     return finish(request, FINISH_LENGTH, response, None)  # the end token lies past gen_length
@@ -104,7 +106,7 @@ def _finished_block(request: Request) -> Optional[GenerationResult]:
     end = request.first_end(done) if request.params.stops_at_end else None
     if end is None and request.block < request.num_blocks:
         return None
-    response = request.generated[request.tail:request.tail + request.gen_length]
+    response = request.mirror.tokens[request.tail:request.tail + request.gen_length]
     if end is not None and end < request.gen_length:
         return finish(request, FINISH_STOP, response[:end + 1], end)
     end = request.first_end(request.tail + request.gen_length)  # early_exit off: the whole response

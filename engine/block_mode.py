@@ -51,7 +51,8 @@ class BlockDiffusion(DecodingMode):
 
     def geometry(self, prompt_len: int, params: DecodeParams) -> Geometry:
         width = params.effective_block_length
-        return Geometry(prompt_len // width * width, -(-(prompt_len + params.gen_length) // width) * width, width)
+        return Geometry(prompt_len // width * width, -(-(prompt_len + params.gen_length) // width) * width, width,
+                        params.steps_per_block)
 
     def check_rules(self, params: DecodeParams) -> None:
         if params.store_pass and params.cache == "none":
@@ -72,10 +73,9 @@ class BlockDiffusion(DecodingMode):
         fed = block_start + width - request.cached
         return RowPlan(BLOCK, fed, (CACHED,))
 
-    def after_step(self, request: Request, plan: RowPlan) -> None:
+    def cached_after(self, request: Request, plan: RowPlan) -> int:
         """With the exact cache, any forward wrote every clean token before the block."""
-        if plan.kind != WINDOW:
-            request.cached = request.block_start
+        return request.cached if plan.kind == WINDOW else request.block_start
 
     def ends_inside_block(self, request: Request, end_committed: int) -> bool:
         """LLaDA2.0's in-loop eos_early_stop, at a step that committed an end token; a policy that

@@ -46,7 +46,8 @@ class MaskedDiffusion(DecodingMode):
         return {FULL: self._full, DUAL: self._dual, PREFIX: self._prefix}
 
     def geometry(self, prompt_len: int, params: DecodeParams) -> Geometry:
-        return Geometry(prompt_len, prompt_len + params.gen_length, params.effective_block_length)
+        return Geometry(prompt_len, prompt_len + params.gen_length, params.effective_block_length,
+                        params.steps_per_block)
 
     def check_rules(self, params: DecodeParams) -> None:
         if params.gen_length % params.effective_block_length:

@@ -7,7 +7,7 @@ A mode owns what differs between paradigms, so that nothing else branches on the
 - each row's plan for the step (`plan`: which forward, how many tokens fed, which rows share a
   forward, whether its decision is committed), made once a step and stored on the `Batch`;
 - its forwards (`forwards`: the runner's one table, by plan kind) and its cache-advance rule
-  (`after_step`); its slot state's owner (`slots_class`);
+  (`cached_after`); its slot state's owner (`slots_class`);
 - its whole decide step (`decide`): the mask-token one (`engine.decide`) unless it overrides it
   (uniform noise);
 - when an end token inside a block ends a row (`ends_inside_block`);
@@ -82,8 +82,10 @@ class DecodingMode:
         registry's `decide` over the masks left) unless the mode overrides it."""
         return decide_masks(batch, rows, out, end_ids, self.mask_id, self.undecided)
 
-    def after_step(self, request: Request, plan: RowPlan) -> None:
-        """The cache-advance rule: what the row's cache holds after its forward (none by default)."""
+    def cached_after(self, request: Request, plan: RowPlan) -> int:
+        """The cache-advance rule: the positions [0, n) the row's cache holds after its forward (by
+        default what it held: a mode without an exact cache holds none)."""
+        return request.cached
 
     def ends_inside_block(self, request: Request, end_committed: int) -> bool:
         """Whether an end token with nothing undecided before it ends the row inside its block

@@ -187,4 +187,4 @@ def _tokens(request: Request, start: int, end: int) -> list[int]:
     canvas (the prompt's tail, then the generation) from there."""
     origin = request.origin
     head = list(request.prompt_ids[start:min(end, origin)])
-    return head + request.generated[max(start, origin) - origin:end - origin]
+    return head + request.mirror.tokens[max(start, origin) - origin:end - origin]

@@ -1,7 +1,7 @@
 """One request's state inside the engine, and what a step reports about it.
 
 A `Request` is host-side bookkeeping only: where the row is in its canvas (block, step), a host
-mirror of its generated tokens, its telemetry, and the slot whose device tensors hold the rest
+mirror of its generated tokens (`HostMirror`), its telemetry, and the slot whose device tensors hold the rest
 (canvas, KV cache, knobs, policy state: `engine.slots`). Everything here is updated from the one
 summary a step transfers back (`engine.summary`), so no field needs a device read of its own.
 Where its canvas lies is its decoding mode's (`Geometry`, from `engine.mode`); how it advances is
@@ -17,8 +17,9 @@ from typing import Optional
 
 import torch
 
+from engine.decoding.draws import request_generator
 from engine.decoding.params import DecodeParams
-from engine.decoding.registry import POLICIES
+from engine.decoding.registry import POLICIES, Policy
 from engine.decoding.types import GenerationResult, RequestStats, TokenLogprob
 
 
@@ -26,11 +27,17 @@ from engine.decoding.types import GenerationResult, RequestStats, TokenLogprob
 class Geometry:
     """Where a row's canvas lies: its first decoded block starts at canvas index `origin` (the
     prompt's end, or for a block-diffusion row the block boundary before it, so that the block holds
-    the prompt's tail) and its last block ends at `length`; blocks are `block_length` wide."""
+    the prompt's tail) and its last block ends at `length`; blocks are `block_length` wide and take at
+    most `steps_per_block` forwards each (the mode's: a uniform-noise canvas's step cap)."""
 
     origin: int
     length: int
     block_length: int
+    steps_per_block: int
+
+    @property
+    def num_blocks(self) -> int:
+        return (self.length - self.origin) // self.block_length
 
 
 @dataclass(frozen=True)
@@ -63,27 +70,47 @@ class StepOutput:
         return None if self.result is None else self.result.finish_reason
 
 
+class HostMirror:
+    """The host's copy of a row's canvas from its origin (the prompt's tail, then the generation, each
+    position as its last step wrote it), each position's logprobs (written at the step that commits
+    it, when asked for), and how much of it has been reported."""
+
+    def __init__(self, tail_ids: Sequence[int], blank: int, positions: int, logprobs: bool) -> None:
+        self.tokens = list(tail_ids) + [blank] * positions
+        self.logprobs: Optional[list[Optional[TokenLogprob]]] = [None] * len(self.tokens) if logprobs else None
+        self.emitted = len(tail_ids)  # positions already reported in a StepOutput
+        self.end_emitted = False
+
+    def take_new_final(self, stable: int, end_ids: frozenset[int]) -> tuple[tuple[int, ...], tuple[TokenLogprob, ...]]:
+        """The tokens in [emitted, stable) not yet reported, stopping after an end token, and their
+        logprobs (empty unless asked for)."""
+        if self.end_emitted or stable <= self.emitted:
+            return (), ()
+        start = self.emitted
+        new = self.tokens[start:stable]
+        for i, token in enumerate(new):
+            if token in end_ids:
+                new = new[:i + 1]
+                self.end_emitted = True
+                break
+        self.emitted = stable
+        logprobs = () if self.logprobs is None else tuple(self.logprobs[start:start + len(new)])
+        return tuple(new), logprobs  # type: ignore[return-value]
+
+
 class Request:
     """Host state of one request, from `Engine.add_request` until it finishes or is aborted."""
 
     def __init__(self, request_id: str, prompt_ids: Sequence[int], params: DecodeParams, geometry: Geometry,
-                 mask_id: int, end_ids: frozenset[int], queued_at: float) -> None:
+                 blank: int, end_ids: frozenset[int], queued_at: float) -> None:
+        """`blank`: what its mode's undecided positions hold (the mask id, or a uniform-noise -1)."""
         self.request_id = request_id
         self.prompt_ids = tuple(prompt_ids)
         self.params = params  # resolved: no None left where the model decides
-        self.prompt_len = len(self.prompt_ids)
-        self.gen_length = params.gen_length
-        self.block_length = geometry.block_length
-        self.origin = geometry.origin
-        self.length = geometry.length
-        self.num_blocks = (self.length - self.origin) // self.block_length
-        self.tail = self.prompt_len - self.origin  # prompt tokens inside the first decoded block
+        self.geometry = geometry
         self.cached = 0  # a cached mode's exact cache holds positions [0, cached)
         self.block_hashes: list[bytes] = []  # the prefix cache's chain over the blocks of [0, cached) it has seen
-        self.steps_per_block = params.steps_per_block
-        self.policy = POLICIES[params.policy]
-        self.post_steps = 0  # block-edit's post-fill forwards in the current block (its block-end rule)
-        self.mask_id = mask_id
+        self.post_steps = 0  # forwards of the current block that ended with no mask left (block-edit's rule)
         self.end_ids = frozenset() if params.ignore_eos else end_ids  # ignore_eos: no token ends the response
         self.queued_at = queued_at
         self.slot = -1
@@ -93,28 +120,62 @@ class Request:
         self.undecided_at_block_start = self.undecided
         self.schedule = None if self.policy.schedule is None else self.policy.schedule(self)
         # host mirror of the canvas from `origin` (the prompt's tail, then the generation)
-        self.generated = list(self.prompt_ids[self.origin:]) + [mask_id] * (self.length - self.prompt_len)
-        # each position's logprobs, written at the step that commits it (when asked for)
-        self.logprobs: Optional[list[Optional[TokenLogprob]]] = (
-            [None] * len(self.generated) if params.logprobs is not None else None)
-        self.emitted = self.tail  # positions of `generated` already reported in a StepOutput
-        self.end_emitted = False
-        self.generator: Optional[torch.Generator] = None
+        self.mirror = HostMirror(self.prompt_ids[self.origin:], blank, self.length - self.prompt_len,
+                                 params.logprobs is not None)
+        self.generator: Optional[torch.Generator] = None  # a sampling row's (temperature > 0)
         self.started = 0.0
         self.stats = RequestStats(fixed_step_budget=self.num_blocks * self.steps_per_block)
+
+    # where its canvas lies (its mode's geometry) and what its parameters fix
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def gen_length(self) -> int:
+        return self.params.gen_length
+
+    @property
+    def policy(self) -> Policy:
+        return POLICIES[self.params.policy]
+
+    @property
+    def origin(self) -> int:
+        return self.geometry.origin
+
+    @property
+    def length(self) -> int:
+        return self.geometry.length
+
+    @property
+    def block_length(self) -> int:
+        return self.geometry.block_length
+
+    @property
+    def steps_per_block(self) -> int:
+        return self.geometry.steps_per_block
+
+    @property
+    def num_blocks(self) -> int:
+        return self.geometry.num_blocks
+
+    @property
+    def tail(self) -> int:
+        """Prompt tokens inside the first decoded block."""
+        return self.prompt_len - self.origin
+
+    def move_to(self, slot: int) -> None:
+        """The request's row now lives in `slot` (`Slots.move` moved its device state)."""
+        self.slot = slot
 
     def start(self, slot: int, device: torch.device) -> None:
         """The request takes `slot` (its device state is written by `Slots.admit`)."""
         self.slot = slot
         self.started = time.perf_counter()
         self.stats.queue_time = self.started - self.queued_at
-        p = self.params
-        if p.temperature > 0:
-            self.generator = torch.Generator(device=device)
-            if p.seed is None:
-                self.generator.seed()
-            else:
-                self.generator.manual_seed(p.seed)
+        if self.params.temperature > 0:
+            self.generator = request_generator(self.params.seed, device)
 
     @property
     def block_start(self) -> int:
@@ -124,28 +185,18 @@ class Request:
     def take_new_final(self, stable: int) -> tuple[tuple[int, ...], tuple[TokenLogprob, ...]]:
         """The generated tokens in [emitted, stable) not yet reported, stopping after an end token,
         and their logprobs (empty unless asked for)."""
-        if self.end_emitted or stable <= self.emitted:
-            return (), ()
-        start = self.emitted
-        new = self.generated[start:stable]
-        for i, token in enumerate(new):
-            if token in self.end_ids:
-                new = new[:i + 1]
-                self.end_emitted = True
-                break
-        self.emitted = stable
-        logprobs = () if self.logprobs is None else tuple(self.logprobs[start:start + len(new)])
-        return tuple(new), logprobs  # type: ignore[return-value]
+        return self.mirror.take_new_final(stable, self.end_ids)
 
     def first_end(self, stop: Optional[int] = None) -> Optional[int]:
-        """Index in the response (generated[tail:stop]) of its first end token."""
-        return next((i for i, t in enumerate(self.generated[self.tail:stop]) if t in self.end_ids), None)
+        """Index in the response (the mirror's tokens [tail, stop)) of its first end token."""
+        return next((i for i, t in enumerate(self.mirror.tokens[self.tail:stop]) if t in self.end_ids), None)
 
 
 def finish(request: Request, reason: str, generated: list[int], end: Optional[int]) -> GenerationResult:
     """The request's result: `generated` are its response positions from the prompt's end on."""
     request.stats.wall_time = time.perf_counter() - request.started
-    logprobs = None if request.logprobs is None else list(request.logprobs[request.tail:request.tail + len(generated)])
+    recorded = request.mirror.logprobs
+    logprobs = None if recorded is None else list(recorded[request.tail:request.tail + len(generated)])
     return GenerationResult(request.request_id, request.prompt_ids, generated, reason, request.stats,
                             end_index=end, logprobs=logprobs)  # type: ignore[arg-type]
 

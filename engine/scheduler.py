@@ -105,7 +105,7 @@ class Scheduler:
         movers = [r for r in staying if r.slot >= len(staying)]  # in slot order
         for request, hole in zip(movers, holes, strict=True):
             self.move_slot(request.slot, hole)
-            request.slot = hole
+            request.move_to(hole)
         self.running = sorted(staying, key=lambda r: r.slot)
 
     def postprocess(self, batch: Batch, summary: Sequence[RowSummary], mode: DecodingMode,

@@ -101,7 +101,9 @@ class UniformDiffusion(DecodingMode):
 
     def geometry(self, prompt_len: int, params: DecodeParams) -> Geometry:
         length = self.canvas_length
-        return Geometry(prompt_len, prompt_len + -(-params.gen_length // length) * length, length)
+        steps = params.max_denoising_steps
+        assert steps is not None, "a uniform-noise request's knobs are resolved (with_defaults) before its geometry"
+        return Geometry(prompt_len, prompt_len + -(-params.gen_length // length) * length, length, steps)
 
     def check_rules(self, params: DecodeParams) -> None:
         if params.block_length != self.canvas_length:
@@ -126,9 +128,9 @@ class UniformDiffusion(DecodingMode):
         canvas committed last."""
         return request.prompt_len - request.cached if request.block == 0 else self.canvas_length
 
-    def after_step(self, request: Request, plan: RowPlan) -> None:
+    def cached_after(self, request: Request, plan: RowPlan) -> int:
         """The cache holds every token before the row's canvas."""
-        request.cached = request.block_start
+        return request.block_start
 
     def ends_inside_block(self, request: Request, end_committed: int) -> bool:
         """A committed canvas with an end token ends the row there."""

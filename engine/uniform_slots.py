@@ -36,9 +36,9 @@ class UniformSlots(Slots):
         self.store.reserve(width)
 
     def _generator_draws(self, request: Request) -> Draws:
-        if request.generator is None:
-            request.generator = request_generator(request.params.seed, self.device)
-        return GeneratorDraws(request.generator, self.vocab_size)
+        # a sampling row's own generator where it has one (temperature > 0), else one from its seed
+        generator = request.generator or request_generator(request.params.seed, self.device)
+        return GeneratorDraws(generator, self.vocab_size)
 
     def move(self, src: int, dst: int) -> None:
         """Slot `dst` takes slot `src`'s request, its random stream too."""
@@ -47,8 +47,4 @@ class UniformSlots(Slots):
 
     def admit(self, request: Request, running: Sequence[Request], blank: int) -> None:
         super().admit(request, running, blank)
-        steps = request.params.max_denoising_steps
-        assert steps is not None, "a uniform-noise request's knobs are resolved at add_request"
-        request.steps_per_block = steps  # the step cap of a canvas
-        request.stats.fixed_step_budget = request.num_blocks * steps
         self.draws[request.slot] = self.make_draws(request)

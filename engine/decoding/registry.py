@@ -39,7 +39,7 @@ class Row(Protocol):
     steps_per_block: int
     undecided: int  # positions of its block not decided yet (its mode's progress measure)
     undecided_at_block_start: int
-    post_steps: int
+    post_steps: int  # forwards of its block that ended with no mask left, this step's included
     schedule: Optional[list[float]]
 
 
@@ -201,8 +201,7 @@ def edit_block_ends(row: Row, counts: StepCounts, undecided_before: int) -> bool
         return True
     if counts.undecided:
         return False
-    row.post_steps += 1  # the next forward would start with no mask: a post step
-    return row.post_steps > row.params.max_post_steps
+    return row.post_steps > row.params.max_post_steps  # this step's included (engine.advance counts them)
 
 # --------------------------------------------------------------------------------- step bounds
 
