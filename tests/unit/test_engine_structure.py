@@ -104,3 +104,37 @@ def test_no_policy_is_named_outside_the_registry():
             if any(_policy_word(n) for n in compared):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not found, f"a policy's name is tested outside engine/decoding/registry.py: {found}"
+
+
+# A request's host state is written where a row advances and where its prefix is restored, nowhere else.
+REQUEST_WRITERS = {"engine.request", "engine.advance", "engine.prefix_cache"}
+MAX_REQUEST_ATTRIBUTES = 20
+_ROW_NAMES = {"request", "r", "row", "req"}  # what the engine calls a Request (or a registry Row)
+
+
+def _written_row(target: ast.AST) -> bool:
+    """An assignment to an attribute of a row (`request.step = ...`, `request.stats.nfe += ...`,
+    `request.mirror.tokens[...] = ...`)."""
+    while isinstance(target, (ast.Attribute, ast.Subscript)):
+        target = target.value
+        if isinstance(target, ast.Name) and target.id in _ROW_NAMES:
+            return True
+    return False
+
+
+def test_a_request_is_small_and_written_by_few_modules():
+    tree = ast.parse((ENGINE / "request.py").read_text())
+    request = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Request")
+    attributes = {t.attr for n in ast.walk(request) if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+                  for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                  if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    assert len(attributes) <= MAX_REQUEST_ATTRIBUTES, sorted(attributes)
+    writers = set()
+    for path in ENGINE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            if any(_written_row(t) for t in targets):
+                writers.add(_module(path))
+    outside = sorted(writers - REQUEST_WRITERS)
+    assert not outside, f"a Request written outside {sorted(REQUEST_WRITERS)}: {outside}"
