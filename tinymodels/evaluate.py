@@ -52,7 +52,8 @@ def default_configs(architecture: str, gen_length: int = 128, block_length: int 
     gets its family's decoders and CAI in block mode (pass the block it was trained with)."""
     base = {"gen_length": gen_length, "block_length": block_length, "steps": gen_length}
     if FAMILIES[architecture].mode == "block":  # no dual cache, their own policies (docs/decoding.md)
-        return block_configs(base)
+        # LLaDA2.1's decoder (token editing) is the LLaDA2 family's own
+        return block_configs(base) + (edit_configs(base) if architecture == "llada2" else [])
     if FAMILIES[architecture].mode == "uniform":
         return uniform_configs(gen_length)
     refresh = dual_cache_refresh(architecture)
@@ -84,6 +85,11 @@ def block_configs(base: dict[str, Any]) -> list[EvalConfig]:
         EvalConfig("CAI full, gate on", {**base, "policy": "cai", "gating": True}),
         EvalConfig("CAI full, gate off", {**base, "policy": "cai", "gating": False}),
     ]
+
+
+def edit_configs(base: dict[str, Any]) -> list[EvalConfig]:
+    """LLaDA2.1's decoder at its defaults: commits above `threshold`, edits above `editing_threshold`."""
+    return [EvalConfig("block-edit (LLaDA2.1)", {**base, "policy": "block-edit"})]
 
 
 def uniform_configs(gen_length: int) -> list[EvalConfig]:

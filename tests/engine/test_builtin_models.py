@@ -19,7 +19,7 @@ from tinymodels.tasks import DEFAULT_MIX, sample, split_of
 MODELS = Path(__file__).resolve().parents[2] / "models"
 BUILTIN = [name for name in ("llada-tiny", "dream-tiny") if (MODELS / name / "model.safetensors").is_file()]
 # block-diffusion built-ins: decoded in block mode with their own policies
-BLOCK_BUILTIN = [name for name in ("sdar-tiny",) if (MODELS / name / "model.safetensors").is_file()]
+BLOCK_BUILTIN = [name for name in ("sdar-tiny", "llada2-tiny") if (MODELS / name / "model.safetensors").is_file()]
 # uniform-noise built-ins (DiffusionGemma's format): sampled, each request from its own seeded generator
 UNIFORM_BUILTIN = [name for name in ("diffusiongemma-tiny",) if (MODELS / name / "model.safetensors").is_file()]
 
@@ -115,8 +115,9 @@ def test_eval_cli_decodes_a_block_model_with_its_trained_block(name, tmp_path):
     assert run.returncode == 0, run.stderr
     block = json.loads((MODELS / name / "config.json").read_text())["block_size"]
     report = json.loads(out.read_text())
+    edits = ["block-edit (LLaDA2.1)"] if name.startswith("llada2") else []  # the LLaDA2 family's own decoder
     assert [c["name"] for c in report["configs"]] == ["block-static", "block-dynamic 0.9", "CAI full, gate on",
-                                                     "CAI full, gate off"]
+                                                     "CAI full, gate off", *edits]
     for config in report["configs"]:
         assert config["params"]["block_length"] == block and config["nfe_per_request"] > 0
     # one token a step: the static decoder spends a forward per token of every decoded block
