@@ -40,7 +40,8 @@ def advance(request: Request, info: RowSummary, plan: RowPlan, mode: DecodingMod
         result = _finished_block(request)
     if result is not None:
         stable = request.tail + len(result.generated_ids)
-    new_ids, new_logprobs = request.take_new_final(min(stable, request.tail + request.gen_length))
+    new_ids, new_logprobs = request.mirror.take_new_final(min(stable, request.tail + request.gen_length),
+                                                          request.end_ids)
     return StepOutput(request.request_id, new_ids, info.committed, plan.fed, result, new_logprobs,
                       request.stats.cached_tokens)
 

@@ -182,11 +182,6 @@ class Request:
         """Canvas index of the current block's first token."""
         return self.origin + self.block * self.block_length
 
-    def take_new_final(self, stable: int) -> tuple[tuple[int, ...], tuple[TokenLogprob, ...]]:
-        """The generated tokens in [emitted, stable) not yet reported, stopping after an end token,
-        and their logprobs (empty unless asked for)."""
-        return self.mirror.take_new_final(stable, self.end_ids)
-
     def first_end(self, stop: Optional[int] = None) -> Optional[int]:
         """Index in the response (the mirror's tokens [tail, stop)) of its first end token."""
         return next((i for i, t in enumerate(self.mirror.tokens[self.tail:stop]) if t in self.end_ids), None)
