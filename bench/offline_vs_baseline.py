@@ -18,7 +18,8 @@ model's `forward_cached`; the rest is the host's): what the host side of an engi
         > bench/results/offline_vs_baseline_cpu.txt
 
 A configuration decodes `--model` unless it names its own built-in model (`MODELS`): the block
-policy runs on `models/sdar-tiny`, with its trained block.
+policy runs on `models/sdar-tiny`, with its trained block, the uniform-noise one on
+`models/diffusiongemma-tiny`.
 """
 
 from __future__ import annotations
@@ -41,8 +42,11 @@ CONFIGS = {
     "threshold 0.9 dual": {"policy": "threshold", "threshold": 0.9, "gen_length": 128, "block_length": 32,
                            "steps": 128, "cache": "dual", "refresh_interval": 16},
     "block-dynamic 0.9 sdar": {"policy": "block-dynamic", "threshold": 0.9, "gen_length": 128, "steps": 128},
+    # each request seeded: a uniform-noise model samples
+    "dg-official diffusiongemma": {"policy": "dg-official", "gen_length": 128, "seed": 0},
 }
-MODELS = {"block-dynamic 0.9 sdar": REPO / "models" / "sdar-tiny"}  # configurations not on --model
+MODELS = {"block-dynamic 0.9 sdar": REPO / "models" / "sdar-tiny",  # configurations not on --model
+          "dg-official diffusiongemma": REPO / "models" / "diffusiongemma-tiny"}
 
 
 def worker(model: str, n: int, batch: int, threads: int, config: str) -> None:
@@ -77,8 +81,9 @@ def worker(model: str, n: int, batch: int, threads: int, config: str) -> None:
                 in_forward[0] += time.perf_counter() - begun
         return timed_forward
 
-    # instance attributes: what the engine calls, timed (a block-diffusion model's cached forward too)
-    for name in ("forward", "forward_cached"):
+    # instance attributes: what the engine calls, timed (a block-diffusion model's cached forward, a
+    # uniform-noise model's encoder and decoder passes)
+    for name in ("forward", "forward_cached", "encode", "decode"):
         if hasattr(engine.model, name):
             setattr(engine.model, name, timed(getattr(engine.model, name)))
     start = time.perf_counter()
