@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from engine import DecodeParams, Engine, EngineConfig, load_model, start_engine
 from engine.decoding.registry import BLOCK, MASKED, POLICIES
-from engine.errors import SettingError, TensorParallelError
+from engine.errors import TensorParallelError
 from engine.host_reads import count_host_reads
 from engine.models.moe import GroupedExperts
 from engine.models.parallel.sharding import check_divisible
@@ -379,12 +379,6 @@ def test_a_size_that_does_not_divide_the_model_is_refused_naming_both_numbers() 
     with pytest.raises(TensorParallelError, match=rf"--tensor-parallel-size {size} does not divide the model's "
                                                    rf"{heads} attention heads"):
         start_engine(EngineConfig(model=str(FIXTURES / "llada_tiny"), tensor_parallel_size=size))
-
-
-def test_the_one_device_engine_refuses_a_group_and_names_the_factory() -> None:
-    """A group is started above the engine: `Engine(config)` is one device's, whatever the config says."""
-    with pytest.raises(SettingError, match="start_engine"):
-        Engine(EngineConfig(model=str(FIXTURES / "llada_tiny"), tensor_parallel_size=SIZE))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < SIZE, reason=f"needs {SIZE} CUDA GPUs (NCCL); this machine has "

@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from engine.decoding.registry import POLICY_NAMES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,6 +78,16 @@ def test_the_executor_is_above_the_engine():
              for module, imported in _graph().items() if not module.startswith(ABOVE)}
     found = {module: imported for module, imported in below.items() if imported}
     assert not found, f"imports of {ABOVE} from below it: {found}"
+
+
+def test_the_one_device_engine_refuses_a_group_and_names_the_factory():
+    """A group is started above the engine: `Engine(config)` is one device's, whatever the config
+    says (refused before anything loads)."""
+    from engine import Engine, EngineConfig
+    from engine.errors import SettingError
+
+    with pytest.raises(SettingError, match="start_engine"):
+        Engine(EngineConfig(model="any", tensor_parallel_size=2))
 
 
 def _policy_word(node: ast.AST) -> bool:
