@@ -105,7 +105,7 @@ def test_a_stream_brings_whole_canvases_and_the_same_text(server, client, oracle
     ({"top_p": 0.9}, "top_p", "invalid_decoding"),
     ({"top_k": 5}, "top_k", "invalid_decoding"),
     ({"decoding": {"policy": "cai"}}, "decoding.policy", "invalid_decoding"),
-    ({"decoding": {"block_length": 4}}, "decoding.block_length", "invalid_decoding"),
+    ({"decoding": {"block_length": CANVAS // 2}}, "decoding.block_length", "invalid_decoding"),  # not the canvas
     ({"decoding": {"entropy_bound": 0}}, "decoding.entropy_bound", "invalid_decoding"),
     ({"decoding": {"cfg_scale": 1.0}}, "decoding.cfg_scale", "invalid_decoding"),
 ])
