@@ -47,11 +47,12 @@ def test_the_checkpoint_decides_the_defaults(model, prompts) -> None:
 
 
 @pytest.mark.parametrize(("knob", "value"), [("top_p", 0.9), ("top_k", 5), ("min_p", 0.1), ("block_length", None),
-                                             ("policy", "cai"), ("cfg_scale", 1.0), ("t_min", 0.9)])
+                                             ("policy", "cai"), ("cfg_scale", 1.0), ("t_min", None)])
 def test_what_the_mode_does_not_have_is_refused_naming_the_knob(model, prompts, knob, value) -> None:
-    """(block_length: any other than the checkpoint's canvas length.)"""
+    """(block_length: any other than the checkpoint's canvas length; t_min: above the checkpoint's t_max.)"""
     engine = Engine.from_model(model, max_batch=1)
-    value = model.canvas_length // 2 if knob == "block_length" else value
+    value = {"block_length": model.canvas_length // 2,
+             "t_min": model.generation_config["t_max"] + 0.1}.get(knob, value)
     with pytest.raises(RequestError) as err:
         engine.validate(prompts[0], DecodeParams(gen_length=8, **{knob: value}))
     assert err.value.param == ("t_max" if knob == "t_min" else knob)
