@@ -43,8 +43,8 @@ def _prompts(model: DiffusionGemmaModel, count: int, seed: int = 0) -> list[list
     return [shared + rng.choices(vocab, k=1 + i * 3 % (2 * canvas)) for i in range(count)]
 
 
-def _params(model: DiffusionGemmaModel, seed: int = 7) -> DecodeParams:
-    return DecodeParams(gen_length=2 * model.canvas_length, max_denoising_steps=STEPS, seed=seed, logprobs=2)
+def _params(model: DiffusionGemmaModel, seed: int = 7, **kw) -> DecodeParams:
+    return DecodeParams(gen_length=2 * model.canvas_length, max_denoising_steps=STEPS, seed=seed, logprobs=2, **kw)
 
 
 def _same(a, b) -> None:
@@ -88,9 +88,11 @@ def test_a_chat_turn_restores_the_previous_turn_and_its_answer(model) -> None:
     canvas = model.canvas_length
     engine = Engine.from_model(model, max_batch=1, enable_prefix_caching=True)
     prompt, follow_up = _prompts(model, 2)
-    params = _params(model)
+    # every canvas decoded whatever the fixture's end ids and the seed: an end token in the answer would end
+    # turn 1 early (ignore_eos keeps it in the answer, a plain token of turn 2's prompt)
+    params = _params(model, ignore_eos=True)
     answer = engine.generate([prompt], params)[0]
-    assert len(answer.generated_ids) == params.gen_length, "no end token: every canvas but the last is encoded"
+    assert len(answer.generated_ids) == params.gen_length, "every canvas but the last is encoded"
     turn2 = prompt + answer.generated_ids + follow_up[-3:]
     result = engine.generate([turn2], params)[0]
     encoded = len(prompt) + params.gen_length - canvas
