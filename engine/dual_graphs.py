@@ -13,7 +13,7 @@ buffers indexed by slot rather than by the step's rows:
   store: `ModelRunner.admit`), so its cache is untouched; its outputs are never read.
 
 A graph is captured the first time its (bucket, query length, logits width) is needed, and every
-graph is dropped when the store is reallocated (it grows when a longer request arrives). Without
+graph is dropped when the store's tensors are reallocated (it grows when a longer request arrives). Without
 capture (`capture=False`, any device) the same static forward runs eagerly: that is what the tests
 check against the engine's ordinary cached forward on CPU.
 """
@@ -61,7 +61,7 @@ class DualStepGraphs:
         self.buckets = batch_buckets(max_batch)
         self.mask_id = model.special.mask_id
         self._forwards: dict[tuple[int, int, int], _StaticForward] = {}
-        self._store: Optional[KVStore] = None
+        self._keys: Optional[torch.Tensor] = None  # the store's first tensor when the graphs were made
 
     @property
     def captured(self) -> int:
@@ -73,9 +73,9 @@ class DualStepGraphs:
         """Logits [B, W, V] of the step's rows, in the order of `slots`; the inputs are the rows'
         ([B, Lq], [B, W]) as the ordinary cached forward takes them, writes past a row's block
         aimed at the store's last column."""
-        if store is not self._store:  # captured graphs point into the old store
+        if store.keys[0] is not self._keys:  # captured graphs point into the store's old tensors
             self._forwards.clear()
-            self._store = store
+            self._keys = store.keys[0]
         bucket = next(b for b in self.buckets if b > max_slot)
         key = (bucket, ids.shape[1], logits_at.shape[1])
         static = self._forwards.get(key)

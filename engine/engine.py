@@ -1,7 +1,8 @@
 """`Engine`: the one entry point. A loaded model, its tokenizer, and decoding as nano-vllm's
 schedule -> run -> postprocess:
 
-    request_id = engine.add_request(prompt_ids, params)   # validated and resolved here, once
+    request_id = engine.add_request(prompt_ids, params)   # resolved here, once (`resolve`; the server
+                                                          # prices it, then `submit`s the same)
     while engine.has_unfinished():
         for output in engine.step():                      # one StepOutput per row
             output.new_token_ids, output.finished, output.result
@@ -19,7 +20,7 @@ import dataclasses
 import functools
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -35,10 +36,10 @@ from engine.errors import CheckpointError, RequestError, SettingError
 from engine.loading.tokenizer import load_tokenizer
 from engine.loading.weights import load_model
 from engine.model_runner import MODES, ModelRunner
+from engine.models.protocol import DiffusionModel
 from engine.models.registry import Family, family_of
-from engine.models.transformer import DiffusionTransformer
 from engine.prefix_cache import PrefixCache, default_budget_gb
-from engine.request import Geometry, Request, StepOutput
+from engine.request import Request, Resolved, StepOutput
 from engine.scheduler import Scheduler
 from engine.scoring import ScoringJob, scoring_cost
 from engine.user_text import encode_prompt_text
@@ -69,7 +70,7 @@ class Engine:
         self._setup(config, model, tokenizer)
 
     @classmethod
-    def from_model(cls, model: DiffusionTransformer, tokenizer: Optional[Any] = None, max_batch: int = 8,
+    def from_model(cls, model: DiffusionModel, tokenizer: Optional[Any] = None, max_batch: int = 8,
                    cuda_graphs: bool = False, enable_prefix_caching: Optional[bool] = False,
                    prefix_cache_gb: Optional[float] = None) -> Engine:
         """An engine over an already loaded model (tests, training, benchmarks). Prefix caching is off
@@ -82,7 +83,7 @@ class Engine:
         engine._setup(config, model, tokenizer)
         return engine
 
-    def _setup(self, config: EngineConfig, model: DiffusionTransformer, tokenizer: Optional[Any]) -> None:
+    def _setup(self, config: EngineConfig, model: DiffusionModel, tokenizer: Optional[Any]) -> None:
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -181,36 +182,48 @@ class Engine:
             raise RequestError(f"prompt token {at} is the mask token (id {mask}), which marks the positions the "
                                f"model decodes; a prompt may not hold it", code="mask_token_in_prompt")
 
-    def validate(self, prompt_ids: Sequence[int], params: DecodeParams) -> DecodeParams:
-        """The request's parameters with the model's defaults filled; RequestError if unusable."""
-        return self._resolve(prompt_ids, params)[0]
-
-    def _resolve(self, prompt_ids: Sequence[int], params: DecodeParams) -> tuple[DecodeParams, Geometry]:
-        """The request's resolved parameters and where its canvas lies (its mode's geometry)."""
-        self.check_prompt(prompt_ids)
+    def resolve(self, prompt_ids: Sequence[int], knobs: Union[DecodeParams, Mapping[str, Any], None] = None,
+                max_tokens: Optional[int] = None) -> Resolved:
+        """The request as it will run, resolved once (any thread): the prompt checked; the knobs (a
+        `decoding` mapping, or DecodeParams as they stand) with this model's defaults filled; given as
+        a mapping, its canvas is the mode's for `max_tokens` (`DecodingMode.canvas`; 0 decodes nothing:
+        the prompt and knobs are checked, not the context, which a scored prompt may fill); its
+        geometry. RequestError naming the knob that is wrong."""
+        ids = tuple(int(t) for t in prompt_ids)
+        self.check_prompt(ids)
+        try:
+            if not isinstance(knobs, DecodeParams):
+                knobs = dict(knobs or {})
+                if knobs.get("block_length") is None and self.model_block_length:
+                    knobs["block_length"] = self.model_block_length  # the block max_tokens rounds up to
+                knobs["gen_length"] = self.mode.canvas(knobs, max_tokens, self.max_model_len - len(ids))
+                knobs = DecodeParams.from_dict(knobs)
+            params = self.default_params(knobs)
+        except DecodeParamError as err:  # a knob out of range, or in conflict with this model's defaults
+            raise RequestError(str(err), param=err.param, code="invalid_decoding") from err
+        except TypeError as err:  # a knob of the wrong type
+            raise RequestError(f"invalid decoding knobs: {err}", param="decoding", code="invalid_decoding") from err
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise RequestError(f"at most {self.config.max_logprobs} top logprobs per token can be returned "
                                f"(--max-logprobs), got {params.logprobs}", param="logprobs", code="invalid_decoding")
-        try:
-            params = self.default_params(params)
-        except DecodeParamError as err:  # a knob that conflicts with this model's defaults
-            raise RequestError(str(err), param=err.param, code="invalid_decoding") from err
         self.mode.check(params)  # a knob, cache or policy that this model's decoding mode does not have
-        geometry = self.mode.geometry(len(prompt_ids), params)
-        if geometry.length > self.max_model_len:
+        geometry = self.mode.geometry(len(ids), params)
+        if geometry.length > self.max_model_len and max_tokens != 0:
             raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
-                               f"has {len(prompt_ids)} and the generation canvas {params.gen_length} "
+                               f"has {len(ids)} and the generation canvas {params.gen_length} "
                                f"({geometry.length} in all)", param="gen_length", code="context_length_exceeded")
-        return params, geometry
+        return Resolved(ids, params, geometry)
 
     def add_request(self, prompt_ids: Sequence[int], params: Optional[DecodeParams] = None,
                     request_id: Optional[str] = None, queued_at: Optional[float] = None) -> str:
-        """Queue a request; it joins the batch at the next step with a free row. Thread-safe."""
-        ids = tuple(int(t) for t in prompt_ids)
-        resolved, geometry = self._resolve(ids, params or DecodeParams())
+        """Resolve and queue a request; it joins the batch at the next step with a free row. Thread-safe."""
+        return self.submit(self.resolve(prompt_ids, params), request_id, queued_at)
+
+    def submit(self, resolved: Resolved, request_id: Optional[str] = None, queued_at: Optional[float] = None) -> str:
+        """Queue a resolved request (`resolve`). Thread-safe."""
         request_id = request_id or f"req-{next(self._ids)}"
-        request = Request(request_id, ids, resolved, geometry, self.mode.blank, self._end_set,
-                          queued_at if queued_at is not None else time.perf_counter())
+        request = Request(request_id, resolved.prompt_ids, resolved.params, resolved.geometry, self.mode.blank,
+                          self._end_set, queued_at if queued_at is not None else time.perf_counter())
         self.scheduler.add(request)
         return request_id
 

@@ -2,7 +2,8 @@
 (`engine/models/registry.py`, `Family.mode`; the table `MODES` in `engine/model_runner.py`).
 
 A mode owns what differs between paradigms, so that nothing else branches on them:
-- the geometry: where a row's canvas and blocks lie (`geometry`);
+- the canvas a request's `max_tokens` asks for (`canvas`) and where a row's canvas and blocks lie
+  (`geometry`);
 - what a request may ask of it (`check`: the knobs, caches and policies it has, its own rules);
 - each row's plan for the step (`plan`: which forward, how many tokens fed, which rows share a
   forward, whether its decision is committed), made once a step and stored on the `Batch`;
@@ -20,19 +21,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import fields
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 
 from engine.batch import Batch, ForwardOutput, RowPlan, StepDecision
 from engine.decide import decide_masks
 from engine.decoding.knobs import mode_knobs
-from engine.decoding.params import DecodeParams
+from engine.decoding.params import DecodeParams, canvas_for_max_tokens, canvas_within
 from engine.decoding.registry import POLICIES, policy_state
 from engine.decoding.row_state import RowState
 from engine.dual_graphs import DualStepGraphs
 from engine.errors import RequestError
-from engine.models.transformer import DiffusionTransformer
+from engine.models.protocol import DiffusionModel
 from engine.request import Geometry, Request
 from engine.slots import RowTables, Slots
 
@@ -49,7 +50,7 @@ class DecodingMode:
     slots_class: ClassVar[type[Slots]] = Slots  # the owner of its slot state
     confidence_bands: ClassVar[bool] = True  # a block's first-step confidence bands mean something
 
-    def __init__(self, model: DiffusionTransformer, slots: Slots, dual_graphs: Optional[DualStepGraphs] = None) -> None:
+    def __init__(self, model: DiffusionModel, slots: Slots, dual_graphs: Optional[DualStepGraphs] = None) -> None:
         self.model = model
         self.slots = slots
         # the masked mode's dual-cache forward on static buffers, CUDA graphs when capturing (engine.dual_graphs)
@@ -61,6 +62,13 @@ class DecodingMode:
     def forwards(self) -> dict[str, ForwardFn]:
         raise NotImplementedError
 
+    def canvas(self, knobs: dict[str, Any], max_tokens: Optional[int], room: int) -> Any:
+        """The canvas (`gen_length`) of a request given as knobs: `max_tokens` rounded up to whole
+        blocks (the official decoders round the canvas so), or with none (or 0) the whole blocks the
+        context leaves `room` for, as vLLM's default max_tokens is what the context leaves; a canvas
+        that cannot fit is returned as asked, to be refused."""
+        return canvas_for_max_tokens(max_tokens, knobs) if max_tokens else canvas_within(knobs, room)
+
     def geometry(self, prompt_len: int, params: DecodeParams) -> Geometry:
         raise NotImplementedError
 
@@ -68,7 +76,7 @@ class DecodingMode:
         raise NotImplementedError
 
     @classmethod
-    def row_state(cls, model: DiffusionTransformer) -> dict[str, RowState]:
+    def row_state(cls, model: DiffusionModel) -> dict[str, RowState]:
         """What the slots keep for each row between steps: its policies' declared state (and, in a
         mode that overrides this, the mode's own)."""
         return policy_state(cls.name)

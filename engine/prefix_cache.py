@@ -19,7 +19,7 @@ each layer's keys and values of the block on the device, under a byte budget wit
 DiffusionGemma's encoder is causal over the prompt and each committed canvas, so the same holds for
 its blocks of `canvas_length` positions from position 0 (engine.uniform_mode); its cache
 (`Gemma4Cache`) keeps full and sliding layers in different shapes and only a window of positions in
-the sliding ones. Each store reads and writes its own blocks (`PrefixStore`: `read_block`,
+the sliding ones. Each store reads and writes its own blocks (`SlotStore`: `read_block`,
 `write_prefix`); DiffusionGemma's flattens a block into one tensor and keeps each slot's last encoder
 pass for the insert to read.
 A whole prompt may be restored (its prefill then encodes nothing); a block whose sliding-layer keys
@@ -39,10 +39,10 @@ import hashlib
 import os
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Optional, Protocol
 
 import torch
 
+from engine.models.kv_cache import SlotStore
 from engine.request import Request
 
 _BYTES_PER_GB = 1 << 30
@@ -73,26 +73,6 @@ def chain_root(block: int) -> bytes:
     return hashlib.sha256(f"block={block}".encode()).digest()
 
 
-# ------------------------------------------------------------------ the one contact with the store
-
-
-class PrefixStore(Protocol):
-    """What the cache needs of a slot store (`KVStore`; DiffusionGemma's `Gemma4Cache`, whose sliding
-    layers keep a ring, so it keeps each slot's last encoder pass for the insert while asked to)."""
-
-    def read_block(self, slot: int, start: int, end: int, cached: int) -> Optional[torch.Tensor]:
-        """A copy of `slot`'s keys and values at positions [start, end) (None: no longer held)."""
-
-    def write_prefix(self, slot: int, blocks: Sequence[torch.Tensor], block: int) -> None:
-        """Make `slot` hold positions [0, len(blocks) x block) from cached blocks."""
-
-    def keep_passes(self) -> None:
-        """Keep what a step's insert must read and a forward may overwrite."""
-
-    def drop_pass(self, slot: int) -> None:
-        """The slot's kept pass has been read."""
-
-
 # ------------------------------------------------------------------ the cache
 
 
@@ -109,7 +89,7 @@ class PrefixCache:
         """Rows decoded against their exact cache (a window forward caches nothing)."""
         return request.params.cache == "exact"
 
-    def restore(self, request: Request, store: PrefixStore) -> int:
+    def restore(self, request: Request, store: SlotStore) -> int:
         """Copy the longest cached chain of the request's whole prompt blocks into its slot; the
         row's cache then holds them. Returns the tokens restored."""
         if not self.applies(request):
@@ -135,7 +115,7 @@ class PrefixCache:
         request.stats.cached_tokens = restored
         return restored
 
-    def insert(self, requests: Iterable[Request], store: PrefixStore) -> None:
+    def insert(self, requests: Iterable[Request], store: SlotStore) -> None:
         """Cache every final whole block of these rows' exact caches not cached yet (call after a
         step, before the next admission reuses a finished row's slot)."""
         for request in requests:
@@ -144,7 +124,7 @@ class PrefixCache:
             self._insert_row(request, store)
             store.drop_pass(request.slot)  # read: no longer held
 
-    def _insert_row(self, request: Request, store: PrefixStore) -> None:
+    def _insert_row(self, request: Request, store: SlotStore) -> None:
         block, hashes = request.block_length, request.block_hashes
         known = len(hashes) * block
         if request.cached <= known:

@@ -41,6 +41,17 @@ class Geometry:
 
 
 @dataclass(frozen=True)
+class Resolved:
+    """A request as the engine will run it, resolved once (`Engine.resolve`): its prompt, its
+    parameters with every model default filled, and where its canvas lies. The server prices it
+    (`--max-decode-steps`) and submits this same object."""
+
+    prompt_ids: tuple[int, ...]
+    params: DecodeParams
+    geometry: Geometry
+
+
+@dataclass(frozen=True)
 class StepOutput:
     """What one step did for one row.
 

@@ -23,8 +23,8 @@ from engine.decoding.knobs import device_knobs, device_value
 from engine.decoding.params import DecodeParams
 from engine.decoding.row_state import BLOCK_WIDE, RowState
 from engine.host_copy import to_device
-from engine.models.kv_cache import KVStore
-from engine.models.transformer import DiffusionTransformer
+from engine.models.kv_cache import SlotStore
+from engine.models.protocol import DiffusionModel
 from engine.request import Request
 
 _KNOBS = device_knobs(DecodeParams)
@@ -41,11 +41,11 @@ class RowTables:
 
 
 class Slots:
-    def __init__(self, model: DiffusionTransformer, max_batch: int, row_state: Mapping[str, RowState]) -> None:
+    def __init__(self, model: DiffusionModel, max_batch: int, row_state: Mapping[str, RowState]) -> None:
         self.device = model.device
         self.pad_id = model.special.pad_id
         self.canvas = torch.full((max_batch, 1), self.pad_id, dtype=torch.long, device=self.device)
-        self.store = self._new_store(model, max_batch)
+        self.store: SlotStore = model.new_cache(max_batch, 2)
         self.positions = torch.arange(2, device=self.device)  # 0, 1, ... as wide as the store
         self.knobs = {kind: torch.zeros(max_batch, len(knobs), dtype=_DTYPES[kind], device=self.device)
                       for kind, knobs in _TABLES.items()}
@@ -55,19 +55,6 @@ class Slots:
                                         dtype=spec.dtype, device=self.device)
                       for name, spec in self.row_state.items()}
 
-    def _new_store(self, model: DiffusionTransformer, max_batch: int) -> KVStore:
-        config = model.config
-        store = KVStore.empty(config.num_layers, max_batch, model.kv_heads, 2, config.head_dim, model.dtype,
-                              self.device)
-        store.key_mask[:, 0] = True  # a free slot's dummy row still attends to something
-        return store
-
-    def _admit_store(self, request: Request) -> None:
-        self.store.key_mask[request.slot] = self.positions < request.length
-
-    def _grow_store(self, width: int) -> None:
-        self.store = self.store.grown(width)
-
     def admit(self, request: Request, running: Sequence[Request], blank: int) -> None:
         """Write the request's prompt, its generation positions (`blank`), key mask and knobs into its slot."""
         self._grow(running)
@@ -75,7 +62,7 @@ class Slots:
         prompt = torch.frombuffer(array.array("q", request.prompt_ids), dtype=torch.long)
         self.canvas[slot, :request.prompt_len] = to_device(prompt, device)
         self.canvas[slot, request.prompt_len:request.length] = blank
-        self._admit_store(request)
+        self.store.admit(request.slot, request.length)
         params = request.params
         for kind, knobs in _TABLES.items():  # one host-to-device copy per table, once
             values = [device_value(k, getattr(params, k.name)) for k in knobs]
@@ -93,7 +80,7 @@ class Slots:
             grown[:, :self.canvas.shape[1]] = self.canvas
             self.canvas = grown
         if needed + 1 > self.store.width:
-            self._grow_store(needed + 1)
+            self.store.reserve(needed + 1)
             self.positions = torch.arange(self.store.width, device=self.device)
         block_width = max(r.block_length for r in running)
         for name, spec in self.row_state.items():

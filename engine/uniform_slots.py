@@ -10,30 +10,21 @@ The slot's canvas holds the prompt and the committed canvases; the canvas being 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Optional
+from typing import Optional
 
 from engine.decoding.draws import Draws, GeneratorDraws, request_generator
 from engine.decoding.row_state import RowState
-from engine.models.gemma4_cache import Gemma4Cache
+from engine.models.protocol import DiffusionModel
 from engine.request import Request
 from engine.slots import Slots
 
 
 class UniformSlots(Slots):
-    def __init__(self, model: Any, max_batch: int, row_state: Mapping[str, RowState]) -> None:
+    def __init__(self, model: DiffusionModel, max_batch: int, row_state: Mapping[str, RowState]) -> None:
         super().__init__(model, max_batch, row_state)
         self.vocab_size = model.config.vocab_size
         self.draws: list[Optional[Draws]] = [None] * max_batch
         self.make_draws: Callable[[Request], Draws] = self._generator_draws
-
-    def _new_store(self, model: Any, max_batch: int) -> Gemma4Cache:  # type: ignore[override]
-        return model.new_cache(max_batch, 2)
-
-    def _admit_store(self, request: Request) -> None:
-        self.store.reset(request.slot)
-
-    def _grow_store(self, width: int) -> None:
-        self.store.reserve(width)
 
     def _generator_draws(self, request: Request) -> Draws:
         # a sampling row's own generator where it has one (temperature > 0), else one from its seed

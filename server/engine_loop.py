@@ -2,8 +2,9 @@
 its own, and the server's one door to the engine (what the server reads of the model comes through
 its properties).
 
-Handlers `submit` requests: the engine validates and queues them at once (`Engine.add_request` is
-thread-safe), so a bad request fails in its handler and the waiting queue is the engine's own.
+Handlers `resolve` a request once (`Engine.resolve`: what it costs is read from that) and `submit`
+it; the engine queues it at once (`Engine.submit` is thread-safe), so a bad request fails in its
+handler and the waiting queue is the engine's own.
 The engine thread only loops over `Engine.step()` and routes each step's outputs to the
 submissions they belong to: one callback per event loop per step (`call_soon_threadsafe`) carries
 every event of that step. A streamed request gets every non-empty delta; a whole one collects its
@@ -18,14 +19,14 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from engine import DecodeParams, Engine, GenerationResult, StepOutput
-from engine.decoding.knobs import DecodeParamError
+from engine import Engine, GenerationResult, StepOutput
 from engine.decoding.types import RequestStats, TokenLogprob
 from engine.errors import RequestError
+from engine.request import Resolved
 from server.energy import EnergyMeter, share_energy
 from server.errors import QueueFull
 from server.metrics import Metrics
@@ -60,8 +61,7 @@ class Submission:
     """One choice of an API request, as the engine takes it and the handler waits on it."""
 
     request_id: str
-    prompt_ids: Sequence[int]
-    params: DecodeParams
+    request: Resolved  # what the engine runs (EngineLoop.resolve)
     choice: int
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
@@ -105,7 +105,6 @@ class EngineLoop:
         self.end_ids = frozenset(model.special.end_ids)
         self.mask_id = model.special.mask_id
         self.architecture = engine.architecture
-        self.model_block_length = engine.model_block_length
         self.attention_backend = model.attention_backend
         self.quantization = model.quantization
         self.quantized_head = model.quantized_head
@@ -120,14 +119,10 @@ class EngineLoop:
         """RequestError unless the prompt is token ids this model can decode from (any thread)."""
         self.engine.check_prompt(prompt_ids)
 
-    def resolved(self, params: DecodeParams) -> DecodeParams:
-        """`params` with the model's defaults filled in, as the engine will run them (the checkpoint's
-        knobs included: DiffusionGemma's max_denoising_steps); `params` unchanged where they conflict
-        with those defaults, which the engine refuses, naming the field, when they are submitted."""
-        try:
-            return self.engine.default_params(params)
-        except DecodeParamError:
-            return params
+    def resolve(self, prompt_ids: Sequence[int], knobs: Mapping[str, Any], max_tokens: Optional[int]) -> Resolved:
+        """The request as the engine will run it (`Engine.resolve`, any thread): priced, then submitted
+        as it is; RequestError naming the knob that is wrong."""
+        return self.engine.resolve(prompt_ids, knobs, max_tokens)
 
     def set_chat_template(self, template: str) -> None:
         """Use this Jinja chat template instead of the checkpoint's (`serve --chat-template`)."""
@@ -137,11 +132,10 @@ class EngineLoop:
 
     def warm_up(self) -> None:
         """One tiny decode before the loop starts, so the first request pays no first-call costs."""
-        params = self.engine.default_params().with_overrides(gen_length=4, block_length=4, steps=4)
         try:
-            self.engine.validate([0], params)
+            params = self.engine.resolve([0], {"gen_length": 4, "block_length": 4, "steps": 4}).params
         except RequestError:  # a mode whose block is the model's own (uniform noise: its canvas), one step
-            params = self.engine.default_params(DecodeParams(gen_length=1, max_denoising_steps=1))
+            params = self.engine.resolve([0], {"gen_length": 1, "max_denoising_steps": 1}).params
         self.engine.generate([[0]], params)
         cache = self.engine.prefix_cache
         if cache is not None:  # the warm-up is no request: it neither counts nor stays cached
@@ -201,7 +195,7 @@ class EngineLoop:
             added: list[str] = []
             try:
                 for sub in submissions:
-                    self.engine.add_request(sub.prompt_ids, sub.params, sub.request_id, queued_at=sub.submitted)
+                    self.engine.submit(sub.request, sub.request_id, queued_at=sub.submitted)
                     self._active[sub.request_id] = sub
                     added.append(sub.request_id)
             except Exception:

@@ -2,8 +2,9 @@
 
 A choice holds its row for at most `DecodeParams.max_steps` steps (`decoding.steps`, by default one
 per canvas token; `threshold` one per canvas token whatever `steps` says; DiffusionGemma
-`max_denoising_steps` a canvas, by default its checkpoint's). The cap reads the knobs as the engine
-resolves them (`EngineLoop.resolved`): a model's own defaults count, not the library's. A request with
+`max_denoising_steps` a canvas, by default its checkpoint's). The cap reads the request as the
+engine resolved it (`Engine.resolve`), the same object it then runs: a model's own defaults count,
+not the library's. A request with
 `policy: fixed`, a long `max_tokens` and `n: 16` holds 16 rows for that many steps, cut otherwise
 only by `--request-timeout`. With the cap, a choice that may take more steps is refused before any
 work, with a 400 naming the field that sets its step count.

@@ -2,8 +2,10 @@
 from engine events to the text a client may be sent.
 
 Decoding knobs: model defaults <- `--default-decoding` <- a decoding profile <- the request's
-`decoding` object <- its OpenAI and vLLM fields. `max_tokens` sets the canvas, rounded up to whole
-blocks, and is a ceiling: the output path cuts the response there. One loop (`_run`) serves streamed
+`decoding` object <- its OpenAI and vLLM fields. The engine resolves each prompt's request once
+(`Engine.resolve`: the model's defaults, the canvas its mode makes of `max_tokens`, rounded up to
+whole blocks); the server prices it (`--max-decode-steps`) and submits it as it is. `max_tokens` is
+a ceiling: the output path cuts the response there. One loop (`_run`) serves streamed
 and whole responses alike through each choice's `ChoiceOutput` (server/output.py).
 `serving_completions.py` and `serving_chat.py` say what differs: the prompt, the logprobs field,
 the response and chunk objects.
@@ -15,6 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import replace
 from typing import Any, Optional, Union
 
 from fastapi import Request
@@ -22,9 +25,10 @@ from fastapi.responses import Response, StreamingResponse
 
 from engine import RequestError
 from engine.decoding import DecodeParamError, DecodeParams
-from engine.decoding.params import canvas_for_max_tokens, canvas_within, field_types
+from engine.decoding.params import check_knob, field_types
 from engine.decoding.profiles import DecodingProfile, load_profile, profile_table
 from engine.loading.tokenizer import encode_text
+from engine.request import Resolved
 from server import sse
 from server.engine_loop import EngineLoop, QueueFull, Submission
 from server.errors import APIError, ClientDisconnected, engine_error
@@ -63,8 +67,6 @@ _OPENAI_KNOBS = ("temperature", "seed", "top_p", "top_k", "min_p", "ignore_eos",
 # How often a request waiting on the engine checks whether its client is still there.
 DISCONNECT_POLL_SECONDS = 0.25
 _INT_KNOBS = frozenset(name for name, (kind, _) in field_types().items() if kind is int)
-# The request field each decode parameter comes from, for an engine refusal that names the parameter
-_KNOB_FIELDS = {name: name if name in _OPENAI_KNOBS else f"decoding.{name}" for name in field_types()}
 GenerateRequest = Union[CompletionRequest, ChatCompletionRequest]
 
 
@@ -146,14 +148,18 @@ class ServingBase:
     async def create(self, body: GenerateRequest, request: Request) -> Any:
         check_model(body.model, self.settings.model_name)
         prompts = self.prompts(body)
+        if len(prompts) * body.n > self.settings.max_n:
+            raise APIError(400, f"n x prompts = {len(prompts) * body.n} exceeds this server's limit of "
+                           f"{self.settings.max_n} completions per request", param="n", code=TOO_MANY_CHOICES)
         max_tokens = getattr(body, "max_completion_tokens", None)
         max_tokens = body.max_tokens if max_tokens is None else max_tokens
-        params = self.params(body, max_tokens or None, max(map(len, prompts)))  # 0: nothing to decode
-        check_decode_steps(self.loop.resolved(params), body, max_tokens, self.settings.max_decode_steps)
+        resolved = self.resolve(body, prompts, max_tokens)  # once: priced here, submitted as it is
+        for one in resolved:
+            check_decode_steps(one.params, body, max_tokens, self.settings.max_decode_steps)
         queue: asyncio.Queue = asyncio.Queue()
-        choices, submissions = self._choices(body, prompts, params, max_tokens, queue)
-        await self.prepare(body, prompts, params, choices)
-        self._submit(body, prompts, max_tokens, choices, submissions)
+        choices, submissions = self._choices(body, resolved, max_tokens, queue)
+        await self.prepare(body, prompts, resolved[0].params, choices)
+        self._submit(body, max_tokens, choices, submissions)
         return await self.serve(body, request, choices, queue)
 
     def _profile_knobs(self, decoding: dict[str, Any]) -> Mapping[str, Any]:
@@ -167,35 +173,57 @@ class ServingBase:
                            f"{', '.join(self.profiles)}", param="decoding.profile", code=UNKNOWN_PROFILE)
         return self.profiles[name].decoding
 
-    def params(self, body: GenerateRequest, max_tokens: Optional[int], longest_prompt: int) -> DecodeParams:
+    def knobs(self, body: GenerateRequest) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The request's decoding knobs (the server's defaults, then the profile, then its `decoding`
+        object and OpenAI fields), and its `decoding` object as given (the profile name taken out)."""
         if body.decoding and "gen_length" in body.decoding:  # one way to set the canvas, not two
             raise APIError(400, "decoding.gen_length: the generation canvas is set by max_tokens "
                            "(max_completion_tokens in chat)", param="decoding.gen_length", code=INVALID_DECODING)
-        decoding = dict(body.decoding or {})
+        decoding = _integral_knobs(dict(body.decoding or {}))
         profile = self._profile_knobs(decoding)
-        # the server's defaults, then the profile, then the request's own knobs and OpenAI fields
-        knobs: dict[str, Any] = {**self._defaults, **profile, **_integral_knobs(decoding)}
-        if knobs.get("block_length") is None and self.loop.model_block_length:
-            # max_tokens rounds up to whole blocks of the model's own block, as the official decoders
-            # round the canvas (a block of max_tokens would change what the model decodes)
-            knobs["block_length"] = self.loop.model_block_length
+        knobs: dict[str, Any] = {**self._defaults, **profile, **decoding}
         fields = {name: getattr(body, name) for name in ("temperature", "seed", "top_p", "top_k", "min_p")}
         fields.update(ignore_eos=body.ignore_eos or None, logprobs=self.logprobs_asked(body))
-        knobs.update({name: value for name, value in fields.items() if value is not None})
-        knobs["gen_length"] = (canvas_for_max_tokens(max_tokens, knobs) if max_tokens is not None
-                               else canvas_within(knobs, self.max_model_len - longest_prompt))
-        try:
-            if any(name in decoding for name in _OPENAI_KNOBS):
-                # an OpenAI field set above wins over the decoding object's value, which must still be
-                # valid in itself (a request the schema rejects is never served)
-                DecodeParams.from_dict({**knobs, **_integral_knobs(decoding)})
-            return DecodeParams.from_dict(knobs)
-        except DecodeParamError as err:
-            renamed = {"gen_length": "max_tokens", "logprobs": self.logprobs_field}
-            param = f"decoding.{err.param}" if err.param in decoding else renamed.get(err.param, err.param)
-            raise APIError(400, str(err), param=param, code=INVALID_DECODING) from None
-        except TypeError as err:
-            raise APIError(400, f"invalid decoding object: {err}", param="decoding", code=INVALID_DECODING) from None
+        for name, value in fields.items():
+            if value is None:
+                continue
+            if name in decoding:  # the OpenAI field wins; the decoding object's value must still be valid
+                try:
+                    check_knob(name, decoding[name])
+                except DecodeParamError as err:
+                    raise APIError(400, str(err), param=f"decoding.{name}", code=INVALID_DECODING) from None
+            knobs[name] = value
+        return knobs, decoding
+
+    def resolve(self, body: GenerateRequest, prompts: list[list[int]], max_tokens: Optional[int]) -> list[Resolved]:
+        """Each prompt's request as the engine will run it (`Engine.resolve`: the model's defaults,
+        the canvas its mode makes of max_tokens, the context), or a 400 naming the request field."""
+        knobs, decoding = self.knobs(body)
+        resolved = []
+        for ids in prompts:
+            try:
+                resolved.append(self.loop.resolve(ids, knobs, max_tokens))
+            except RequestError as err:
+                raise APIError(400, str(err), param=self._field(err, body, decoding, len(ids), max_tokens),
+                               code=err.code) from None
+        return resolved
+
+    def _field(self, err: RequestError, body: GenerateRequest, decoding: dict[str, Any], prompt_len: int,
+               max_tokens: Optional[int]) -> str:
+        """The request field an engine refusal is about: the prompt's (no knob named), the OpenAI field
+        that set the knob, else the decoding object's; a context overflow's as `_context_param` says."""
+        if err.code == CONTEXT_LENGTH_EXCEEDED:
+            return self._context_param(body, prompt_len, max_tokens)
+        param = err.param
+        if param in (None, "prompt_ids"):
+            return self.prompt_field
+        if param == "gen_length":
+            return "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+        if param == "logprobs":
+            return self.logprobs_field
+        if param in _OPENAI_KNOBS and (param not in decoding or getattr(body, param, None) is not None):
+            return param
+        return param if param == "decoding" else f"decoding.{param}"
 
     def _context_param(self, body: GenerateRequest, prompt_len: int, max_tokens: Optional[int]) -> str:
         """The field a context overflow is about: the prompt when it fills the context alone, the
@@ -207,44 +235,36 @@ class ServingBase:
             return "decoding.block_length"
         return "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
 
-    def _choices(self, body: GenerateRequest, prompts: list[list[int]], params: DecodeParams,
-                 max_tokens: Optional[int], queue: asyncio.Queue) -> tuple[list[ChoiceOutput], list[Submission]]:
+    def _choices(self, body: GenerateRequest, resolved: list[Resolved], max_tokens: Optional[int],
+                 queue: asyncio.Queue) -> tuple[list[ChoiceOutput], list[Submission]]:
         n = body.n
-        if len(prompts) * n > self.settings.max_n:
-            raise APIError(400, f"n x prompts = {len(prompts) * n} exceeds this server's limit of "
-                           f"{self.settings.max_n} completions per request", param="n", code=TOO_MANY_CHOICES)
-        end_ids = frozenset() if params.ignore_eos else self.loop.end_ids
         loop = asyncio.get_running_loop()
         choices, submissions = [], []
-        for p_index, ids in enumerate(prompts):
+        for p_index, one in enumerate(resolved):
+            params = one.params
+            end_ids = frozenset() if params.ignore_eos else self.loop.end_ids
             for j in range(n):
-                p = params
-                if params.temperature > 0 and params.seed is not None and j:
-                    p = params.with_overrides(seed=params.seed + j)  # n samples, not n copies
+                request = one
+                if params.temperature > 0 and params.seed is not None and j:  # n samples, not n copies
+                    request = replace(one, params=params.with_overrides(seed=params.seed + j))
                 request_id = new_id("req")
-                submissions.append(Submission(request_id, ids, p, p_index * n + j, queue, loop, stream=body.stream))
-                choices.append(ChoiceOutput(p_index * n + j, request_id, ids, self.loop.tokenizer, end_ids,
-                                            body.stop_strings, max_tokens, logprobs=params.logprobs is not None,
-                                            first_of_prompt=j == 0))
+                submissions.append(Submission(request_id, request, p_index * n + j, queue, loop, stream=body.stream))
+                choices.append(ChoiceOutput(p_index * n + j, request_id, list(one.prompt_ids), self.loop.tokenizer,
+                                            end_ids, body.stop_strings, max_tokens,
+                                            logprobs=params.logprobs is not None, first_of_prompt=j == 0))
         return choices, submissions
 
-    def _submit(self, body: GenerateRequest, prompts: list[list[int]], max_tokens: Optional[int],
-                choices: list[ChoiceOutput], submissions: list[Submission]) -> None:
+    def _submit(self, body: GenerateRequest, max_tokens: Optional[int], choices: list[ChoiceOutput],
+                submissions: list[Submission]) -> None:
         """Queue every choice in the engine, or none; with max_tokens 0 each ends at once."""
+        if max_tokens == 0:
+            for choice in choices:
+                choice.finish_unstarted()
+            return
         try:
-            if max_tokens == 0:
-                for ids in prompts:
-                    self.loop.check_prompt(ids)
-                for choice in choices:
-                    choice.finish_unstarted()
-            else:
-                self.loop.submit(submissions)
-        except (QueueFull, RequestError) as err:
-            if isinstance(err, RequestError) and err.code == CONTEXT_LENGTH_EXCEEDED:
-                raise engine_error(err, self._context_param(body, max(map(len, prompts)), max_tokens)) from None
-            raise engine_error(err, self.prompt_field,
-                               {**_KNOB_FIELDS, "gen_length": "max_tokens", "logprobs": self.logprobs_field},
-                               retry_after=self.loop.retry_after()) from None
+            self.loop.submit(submissions)
+        except QueueFull as err:
+            raise engine_error(err, retry_after=self.loop.retry_after()) from None
 
     # ------------------------------------------------------------------ engine -> response
 

@@ -190,10 +190,6 @@ class DecodeParams:
         """Whether a row stops at its first end token (early exit on, ignore_eos off)."""
         return self.early_exit and not self.ignore_eos
 
-    @property
-    def gating_on(self) -> bool:
-        return bool(self.gating)
-
     def with_overrides(self, **overrides: Any) -> DecodeParams:
         return replace(self, **overrides)
 
@@ -224,6 +220,16 @@ class DecodeParams:
         if unknown:
             raise DecodeParamError(unknown[0], "unknown decoding parameter")
         return cls(**values)
+
+
+def check_knob(name: str, value: Any) -> None:
+    """DecodeParamError unless `value` is a valid value of knob `name` on its own (its type and range;
+    the rules between knobs are DecodeParams' own checks)."""
+    known = {f.name: f for f in fields(DecodeParams)}
+    if name not in known:
+        raise DecodeParamError(name, "unknown decoding parameter")
+    if value is not None:
+        known[name].metadata["check"](name, value)
 
 
 def field_types() -> dict[str, tuple[type, bool]]:

@@ -43,7 +43,7 @@ from engine.loading.checkpoint import CheckpointFiles
 from engine.loading.tokenizer import load_tokenizer
 from engine.models.parallel.sharding import check_divisible
 from engine.models.registry import model_class_for
-from engine.request import Geometry, Request
+from engine.request import Request, Resolved
 from engine.scheduler import Scheduler
 from engine.scoring import ScoringJob
 
@@ -138,13 +138,15 @@ class TensorParallelEngine(Engine):
     def _make_scheduler(self) -> Scheduler:
         return ReplicatingScheduler(self.max_batch, self.model.device, self.slots.move, self.workers)
 
-    def _resolve(self, prompt_ids: Sequence[int], params: DecodeParams) -> tuple[DecodeParams, Geometry]:
+    def submit(self, resolved: Resolved, request_id: Optional[str] = None, queued_at: Optional[float] = None) -> str:
         """A request that samples without a seed gets one drawn here, on rank 0, before it is
-        forwarded: every rank's generator must draw alike."""
-        resolved, geometry = super()._resolve(prompt_ids, params)
-        if resolved.temperature > 0 and resolved.seed is None:
-            resolved = replace(resolved, seed=random.SystemRandom().getrandbits(_SEED_BITS))
-        return resolved, geometry
+        forwarded: every rank's generator must draw alike (drawn per submission: each of a
+        request's `n` choices samples its own)."""
+        params = resolved.params
+        if params.temperature > 0 and params.seed is None:
+            params = replace(params, seed=random.SystemRandom().getrandbits(_SEED_BITS))
+            resolved = replace(resolved, params=params)
+        return super().submit(resolved, request_id, queued_at)
 
     def scoring_job(self, prompt_ids: Sequence[int], samples: Optional[int] = None, seed: int = 0) -> ScoringJob:
         ids = [int(t) for t in prompt_ids]

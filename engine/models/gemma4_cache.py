@@ -105,9 +105,10 @@ class Gemma4Cache:
             self.passes.pop(dst, None)
             self.passes.pop(src, None)
 
-    def reset(self, slot: int) -> None:
-        """Empty this slot (a new request takes it). Zeroed by kernels: assigning a Python value would
-        copy it from the host and wait for the stream on a GPU."""
+    def admit(self, slot: int, length: int = 0) -> None:
+        """Empty this slot for a new request (its canvas length is moot: the encoder passes say what
+        may be attended). Zeroed by kernels: assigning a Python value would copy it from the host and
+        wait for the stream on a GPU."""
         self.length[slot].zero_()
         self.attendable[slot].zero_()
         self.drop_pass(slot)

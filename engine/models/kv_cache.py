@@ -21,11 +21,42 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
 from engine.models.packing import PackedTokens
+
+
+class SlotStore(Protocol):
+    """What the engine's slots (engine/slots.py) and the prefix cache (engine/prefix_cache.py) ask of
+    a model's cache, whatever its layout (`KVStore`; DiffusionGemma's `Gemma4Cache`, whose sliding
+    layers keep a ring, so it keeps each slot's last encoder pass for the prefix cache's insert while
+    asked to): one row per slot, made by the model's `new_cache(slots, width)`."""
+
+    @property
+    def width(self) -> int: ...
+
+    def reserve(self, width: int) -> None:
+        """At least `width` positions per slot, contents kept."""
+
+    def admit(self, slot: int, length: int) -> None:
+        """Empty `slot` for a new request whose canvas ends at `length`."""
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Slot `dst` takes slot `src`'s whole cache (a slot compacted at a release)."""
+
+    def read_block(self, slot: int, start: int, end: int, cached: int) -> Optional[torch.Tensor]:
+        """A copy of `slot`'s keys and values at positions [start, end) (None: no longer held)."""
+
+    def write_prefix(self, slot: int, blocks: Sequence[torch.Tensor], block: int) -> None:
+        """Make `slot` hold positions [0, len(blocks) x block) from cached blocks."""
+
+    def keep_passes(self) -> None:
+        """Keep what a step's prefix-cache insert must read and a forward may overwrite."""
+
+    def drop_pass(self, slot: int) -> None:
+        """The slot's kept pass has been read."""
 
 
 @dataclass
@@ -42,15 +73,22 @@ class KVStore:
                    values=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
                    key_mask=torch.zeros(batch, width, dtype=torch.bool, device=device))
 
-    def grown(self, width: int) -> KVStore:
-        """The same contents in a store `width` columns wide."""
+    def reserve(self, width: int) -> None:
+        """At least `width` columns, contents kept (the store widens as longer canvases arrive)."""
         old = self.width
-        bigger = KVStore.empty(len(self.keys), self.batch, self.keys[0].shape[1], width, self.keys[0].shape[3],
-                               self.keys[0].dtype, self.keys[0].device)
-        for new, cur in zip(bigger.keys + bigger.values, self.keys + self.values, strict=True):
-            new[:, :, :old] = cur
-        bigger.key_mask[:, :old] = self.key_mask
-        return bigger
+        if width <= old:
+            return
+        for tensors in (self.keys, self.values):
+            for i, cur in enumerate(tensors):
+                tensors[i] = cur.new_zeros(*cur.shape[:2], width, cur.shape[3])
+                tensors[i][:, :, :old] = cur
+        mask = self.key_mask.new_zeros(self.batch, width)
+        mask[:, :old] = self.key_mask
+        self.key_mask = mask
+
+    def admit(self, slot: int, length: int) -> None:
+        """A new request in `slot`: it may attend to its canvas's columns [0, length)."""
+        self.key_mask[slot] = torch.arange(self.width, device=self.key_mask.device) < length
 
     def rows_view(self, rows: slice) -> KVStore:
         """A store of these rows that shares this one's memory."""

@@ -8,20 +8,19 @@ mode, the server through the engine): a fifth family is a model file and one ent
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from engine.errors import CheckpointError
-from engine.models.block_transformer import BlockDiffusionTransformer
 from engine.models.diffusion_gemma import DiffusionGemmaModel
 from engine.models.dream import DreamModel
 from engine.models.llada import LLaDAModel
 from engine.models.llada2 import LLaDA2Model
+from engine.models.protocol import DiffusionModel
 from engine.models.sdar import SDARModel
-from engine.models.transformer import DiffusionTransformer
 
 # Full-attention masked diffusion (LLaDA, Dream), block diffusion (SDAR, LLaDA2) or uniform-noise
-# block diffusion (DiffusionGemma).
-ModelClass = Union[type[DiffusionTransformer], type[BlockDiffusionTransformer], type[DiffusionGemmaModel]]
+# block diffusion (DiffusionGemma), behind one protocol.
+ModelClass = type[DiffusionModel]
 
 # The official block decoders' block (LLaDA2's `generate()`) where a checkpoint states none.
 OFFICIAL_BLOCK = 32
@@ -62,7 +61,7 @@ FAMILIES: dict[str, Family] = {  # by ModelConfig.architecture
 }
 
 
-def family_of(model: DiffusionTransformer) -> Family:
+def family_of(model: DiffusionModel) -> Family:
     return FAMILIES[model.config.architecture]
 
 

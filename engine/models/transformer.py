@@ -18,7 +18,7 @@ from torch import nn
 
 from engine.models.attention import AttentionFn
 from engine.models.config import ModelConfig
-from engine.models.kv_cache import CacheWrite
+from engine.models.kv_cache import CacheWrite, KVStore
 from engine.models.layers import Attention, Positions, RotaryEmbedding, SwiGLU, make_norm, select_positions
 from engine.models.moe import SparseMoe
 from engine.models.parallel.group import SINGLE, TensorParallel
@@ -106,6 +106,14 @@ class DiffusionTransformer(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed.weight.device
+
+    def new_cache(self, slots: int, width: int) -> KVStore:
+        """An empty store for `slots` rows of `width` positions; a free slot's row attends to its
+        first column (a dummy row in a batched forward still attends to something)."""
+        c = self.config
+        store = KVStore.empty(c.num_layers, slots, self.kv_heads, width, c.head_dim, self.dtype, self.device)
+        store.key_mask[:, 0] = True
+        return store
 
     @property
     def dtype(self) -> torch.dtype:

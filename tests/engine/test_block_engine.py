@@ -177,7 +177,7 @@ def test_the_canvas_lies_on_the_block_grid_from_position_0_for_any_gen_length(sd
     boundary before the prompt's end, and the canvas ends at the one past prompt + gen_length,
     whatever gen_length is (a masked-diffusion model refuses a block that does not divide it)."""
     engine = Engine.from_model(next(iter(sdar_models.values())))
-    params = engine.validate(list(range(1, prompt_len + 1)), DecodeParams(gen_length=gen_length, block_length=block))
+    params = engine.resolve(range(1, prompt_len + 1), DecodeParams(gen_length=gen_length, block_length=block)).params
     geometry = engine.mode.geometry(prompt_len, params)
     assert geometry.origin == prompt_len // block * block
     assert geometry.length == -(-(prompt_len + gen_length) // block) * block

@@ -123,7 +123,7 @@ def test_cache_growth_and_slot_reuse(source) -> None:
     rows = torch.tensor([1])
     torch.testing.assert_close(model.decode(canvas, small, rows=rows), model.decode(canvas, big, rows=rows),
                                atol=0, rtol=0)
-    big.reset(1)  # a new request in slot 1 sees nothing of the old one
+    big.admit(1)  # a new request in slot 1 sees nothing of the old one
     fresh = model.new_cache(2, big.width)
     model.encode(prompt[:, :5], big, rows=rows)
     model.encode(prompt[:, :5], fresh, rows=rows)

@@ -29,6 +29,7 @@ from engine.host_reads import count_host_reads
 from engine.models.moe import GroupedExperts
 from engine.models.parallel.sharding import check_divisible
 from engine.models.registry import model_class_for
+from engine.request import Resolved
 
 SIZE = 2
 # float32, at the logits' scale: max |TP2 - TP1| <= 1e-5 x the logits' standard deviation (the
@@ -83,8 +84,7 @@ def _forward_cases(family: Family) -> list[tuple[tuple, dict[str, Any]]]:
         data = load_file(FIXTURES / f"{family.name}_forward.safetensors")
         return [((data["input_ids"],), {}),
                 ((data["input_ids_padded"],), {"attention_mask": data["attention_mask_padded"]})]
-    path = sorted((FIXTURES / "block" / family.name).glob("*_forward.safetensors"))[0]
-    data = load_file(path)
+    data = load_file(sorted((FIXTURES / "block" / family.name).glob("*_forward.safetensors"))[0])
     mask = data["attention_mask"] if "attention_mask" in data else data["attention_mask_block"][:, 0]
     allowed = (mask[0, 0] == 1) if "attention_mask" in data else (mask[0, 0] == 0)
     block = int(allowed.sum())  # the first query sees its own block
@@ -100,8 +100,7 @@ def test_logits_at_tp2_equal_tp1(family: Family) -> None:
             want = family.reference(*args, **kwargs)
         [got] = family.engine.collective_rpc("tp_calls:forward", args, kwargs)
         assert got.shape == want.shape
-        mask = kwargs.get("attention_mask")
-        real = mask.bool() if mask is not None else torch.ones(want.shape[:2], dtype=torch.bool)
+        real = kwargs["attention_mask"].bool() if "attention_mask" in kwargs else torch.ones(want.shape[:2]).bool()
         error = (got[real] - want[real]).abs().max().item()
         assert error <= LOGITS_TOLERANCE * max(1.0, want[real].std().item()), (family.name, kwargs.keys(), error)
 
@@ -189,16 +188,16 @@ def test_golden_runs_token_for_token_at_tp2(family: Family) -> None:
         for prompts, params, expected, nfe in runs:
             results = engine.generate(prompts, params)
             assert [golden._through_end(r) for r in results] == expected
-            assert [r.stats.nfe + _restored_prefill(r, engine.validate(r.prompt_ids, params)) for r in results] == nfe
+            assert [r.stats.nfe + _restored_prefill(r, engine.resolve(r.prompt_ids, params)) for r in results] == nfe
     digests = engine.collective_rpc("engine.executor.calls:state_digest", results=True)
     assert len(set(digests)) == 1
 
 
-def _restored_prefill(result: Any, params: DecodeParams) -> int:
+def _restored_prefill(result: Any, resolved: Resolved) -> int:
     """1 where the prefix cache (on by default: every rank caches its own heads) restored all of a
     prompt's whole blocks, so SDAR's store pass had no prefill forward to run."""
-    whole = len(result.prompt_ids) // params.block_length * params.block_length
-    return int(params.store_pass and 0 < whole == result.stats.cached_tokens)
+    whole = resolved.geometry.origin
+    return int(resolved.params.store_pass and 0 < whole == result.stats.cached_tokens)
 
 
 # ---- the step composed at TP2 -------------------------------------------------------------------

@@ -37,7 +37,7 @@ def _params(seed: int, **kw) -> DecodeParams:
 
 def test_the_checkpoint_decides_the_defaults(model, prompts) -> None:
     engine = Engine.from_model(model, max_batch=1)
-    params = engine.validate(prompts[0], DecodeParams(gen_length=8))
+    params = engine.resolve(prompts[0], DecodeParams(gen_length=8)).params
     generation = model.generation_config
     assert params.policy == "dg-official" and params.block_length == model.canvas_length
     assert params.max_denoising_steps == generation["max_denoising_steps"]
@@ -54,7 +54,7 @@ def test_what_the_mode_does_not_have_is_refused_naming_the_knob(model, prompts, 
     value = {"block_length": model.canvas_length // 2,
              "t_min": model.generation_config["t_max"] + 0.1}.get(knob, value)
     with pytest.raises(RequestError) as err:
-        engine.validate(prompts[0], DecodeParams(gen_length=8, **{knob: value}))
+        engine.resolve(prompts[0], DecodeParams(gen_length=8, **{knob: value}))
     assert err.value.param == ("t_max" if knob == "t_min" else knob)
 
 

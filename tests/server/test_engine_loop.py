@@ -54,9 +54,9 @@ async def _collect(subs: list[Submission], timeout: float = 30.0) -> dict[int, o
     return out
 
 
-def _submissions(n: int, params: DecodeParams, stream: bool = False) -> list[Submission]:
+def _submissions(engine: Engine, n: int, params: DecodeParams, stream: bool = False) -> list[Submission]:
     loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-    return [Submission(f"r{i}", (1 + i, 2, 3), params, i, queue, loop, stream) for i in range(n)]
+    return [Submission(f"r{i}", engine.resolve((1 + i, 2, 3), params), i, queue, loop, stream) for i in range(n)]
 
 
 def test_continuous_batching_respects_max_batch(engine):
@@ -73,7 +73,7 @@ def test_continuous_batching_respects_max_batch(engine):
     engine.step = step
 
     async def run():
-        subs = _submissions(10, _params())
+        subs = _submissions(engine, 10, _params())
         for sub in subs:
             loop.submit([sub])
         return await _collect(subs)
@@ -94,7 +94,7 @@ def test_abort_frees_the_row_within_a_step(engine):
     loop = EngineLoop(engine, max_queue=8, metrics=Metrics("m"), meter=NvmlMeter(lambda: 0))
 
     async def run():
-        [sub] = _submissions(1, DecodeParams(policy="fixed", gen_length=256, block_length=64, steps=256))
+        [sub] = _submissions(engine, 1, DecodeParams(policy="fixed", gen_length=256, block_length=64, steps=256))
         loop.submit([sub])
         while engine.num_running == 0:
             await asyncio.sleep(0.005)
@@ -117,7 +117,7 @@ def test_waiting_queue_is_bounded(engine):
     loop = EngineLoop(engine, max_queue=2, metrics=Metrics("m"), meter=NvmlMeter(lambda: 0))
 
     async def run():
-        subs = _submissions(10, _params())
+        subs = _submissions(engine, 10, _params())
         accepted = 0
         loop.submit([subs[0]])
         accepted = 1
@@ -152,7 +152,7 @@ def test_stall_is_visible_while_work_is_pending(engine):
     loop = EngineLoop(engine, max_queue=4, metrics=Metrics("m"), meter=NvmlMeter(lambda: 0))
 
     async def run():
-        [sub] = _submissions(1, _params())
+        [sub] = _submissions(engine, 1, _params())
         loop.submit([sub])
         deadline = time.monotonic() + 30  # bounded polling: the blocked step shows as time without progress
         while time.monotonic() - loop.last_progress <= 0.3:
@@ -174,10 +174,9 @@ def test_bad_request_becomes_an_error_event_and_the_loop_survives(engine):
 
     async def run():
         loop_, queue = asyncio.get_running_loop(), asyncio.Queue()
-        bad = Submission("bad", (99999,), _params(), 0, queue, loop_, False)
-        good = Submission("good", (1, 2), _params(), 1, queue, loop_, False)
-        with pytest.raises(RequestError) as refused:  # the engine validates at submission
-            loop.submit([bad])
+        with pytest.raises(RequestError) as refused:  # the engine resolves (and checks) before submission
+            loop.resolve((99999,), {"gen_length": 16, "block_length": 8}, None)
+        good = Submission("good", engine.resolve((1, 2), _params()), 1, queue, loop_, False)
         loop.submit([good])
         return refused.value, await _collect([good])
 
@@ -195,7 +194,7 @@ def test_streams_receive_growing_prefixes_and_energy_is_attributed(engine):
     loop = EngineLoop(engine, max_queue=4, metrics=Metrics("m"), meter=NvmlMeter(lambda: next(counter)))
 
     async def run():
-        subs = _submissions(2, _params(), stream=True)
+        subs = _submissions(engine, 2, _params(), stream=True)
         for sub in subs:
             loop.submit([sub])
         progress: list[list[int]] = []
