@@ -1,12 +1,10 @@
 """What the generating endpoints share: from an OpenAI request to engine submissions, and the one loop
 from engine events to the text a client may be sent.
 
-Decoding knobs: model defaults <- `--default-decoding` <- a decoding profile <- the request's
-`decoding` object <- its OpenAI and vLLM fields. The engine resolves each prompt's request once
-(`Engine.resolve`: the model's defaults, the canvas its mode makes of `max_tokens`, rounded up to
-whole blocks); the server prices it (`--max-decode-steps`) and submits it as it is. `max_tokens` is
-a ceiling: the output path cuts the response there. One loop (`_run`) serves streamed
-and whole responses alike through each choice's `ChoiceOutput` (server/output.py).
+Each prompt's request is resolved once (server/request_knobs.py: its knobs, then `Engine.resolve`),
+priced (`--max-decode-steps`) and submitted as it is. `max_tokens` is a ceiling: the output path
+cuts the response there. One loop (`_run`) serves streamed and whole responses alike through each
+choice's `ChoiceOutput` (server/output.py).
 `serving_completions.py` and `serving_chat.py` say what differs: the prompt, the logprobs field,
 the response and chunk objects.
 """
@@ -16,17 +14,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from engine import RequestError
-from engine.decoding import DecodeParamError, DecodeParams
-from engine.decoding.params import check_knob, field_types
-from engine.decoding.profiles import DecodingProfile, load_profile, profile_table
+from engine.decoding import DecodeParams
 from engine.loading.tokenizer import encode_text
 from engine.request import Resolved
 from server import sse
@@ -35,8 +30,6 @@ from server.errors import APIError, ClientDisconnected, engine_error
 from server.metrics import Metrics
 from server.output import ChoiceOutput
 from server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
     DecodingSummary,
     PromptTokensDetails,
     Usage,
@@ -44,36 +37,30 @@ from server.protocol import (
     now,
 )
 from server.request_cost import DECODE_STEPS_EXCEEDED, check_decode_steps
+from server.request_knobs import (
+    CONTEXT_LENGTH_EXCEEDED,
+    INVALID_DECODING,
+    UNKNOWN_PROFILE,
+    GenerateRequest,
+    RequestKnobs,
+)
 from server.settings import ServerSettings
 
 log = logging.getLogger("uvicorn.error")
 # The error codes of the rules a schema cannot state (docs/server.md): a schema-valid request is
 # answered, or refused with one of these (tests/operations/test_fuzz.py checks exactly that).
-CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
-INVALID_DECODING = "invalid_decoding"  # a knob's range, or a rule between knobs (DecodeParams)
 TOO_MANY_CHOICES = "too_many_choices"  # n x prompts above --max-n
 LOGPROBS_REQUIRED = "logprobs_required"  # top_logprobs without logprobs: true
 CHAT_TEMPLATE_ERROR = "chat_template_error"  # the checkpoint's template refuses these messages
 EMPTY_PROMPT = "empty_prompt"  # a text that encodes to no token
 SCORING_TOO_LARGE = "scoring_too_large"  # echo + logprobs above --max-score-tokens
 INVALID_UNICODE = "invalid_unicode"  # a lone surrogate escape in a string (valid JSON, not text)
-UNKNOWN_PROFILE = "unknown_profile"  # decoding.profile names no profile this server loaded
 MASK_TOKEN_IN_PROMPT = "mask_token_in_prompt"  # token-id prompt holding the mask id (engine.check_prompt)
 CROSS_FIELD_CODES = (CONTEXT_LENGTH_EXCEEDED, INVALID_DECODING, TOO_MANY_CHOICES, LOGPROBS_REQUIRED,
                      CHAT_TEMPLATE_ERROR, EMPTY_PROMPT, SCORING_TOO_LARGE, INVALID_UNICODE, UNKNOWN_PROFILE,
                      DECODE_STEPS_EXCEEDED, MASK_TOKEN_IN_PROMPT)
-# Knobs an OpenAI/vLLM request field sets, over the decoding object's value
-_OPENAI_KNOBS = ("temperature", "seed", "top_p", "top_k", "min_p", "ignore_eos", "logprobs")
 # How often a request waiting on the engine checks whether its client is still there.
 DISCONNECT_POLL_SECONDS = 0.25
-_INT_KNOBS = frozenset(name for name, (kind, _) in field_types().items() if kind is int)
-GenerateRequest = Union[CompletionRequest, ChatCompletionRequest]
-
-
-def _integral_knobs(decoding: dict[str, Any]) -> dict[str, Any]:
-    """Integer knobs written as integral floats (7.0) become integers, as JSON Schema counts them."""
-    return {name: int(value) if name in _INT_KNOBS and isinstance(value, float) and value.is_integer() else value
-            for name, value in decoding.items()}
 
 
 def check_model(model: Optional[str], served: str) -> None:
@@ -97,11 +84,9 @@ class DisconnectWatch:
         return await self._request.is_disconnected()
 
 
-class ServingBase:
+class ServingBase(RequestKnobs):
     """The request -> engine -> response path of a generating endpoint; subclasses give its shape."""
 
-    prompt_field = "prompt"  # the request field that holds the prompt
-    logprobs_field = "logprobs"  # the request field that asks for top logprobs
     id_prefix = "cmpl"
     chunk_type: Any = None  # the streamed chunk's class
 
@@ -110,20 +95,12 @@ class ServingBase:
         self.settings = settings
         self.metrics = metrics
         self.max_model_len = loop.max_model_len
-        self._defaults = dict(settings.default_decoding)
-        DecodeParams.from_dict(self._defaults)  # fail at start-up, not per request
-        loaded = [load_profile(path) for path in settings.decoding_profiles]
-        self.profiles = profile_table(loaded)
-        self.default_profile: Optional[DecodingProfile] = loaded[0] if loaded else None
+        self.load_knobs(settings)
 
     # ------------------------------------------------------------------ what an endpoint says
 
     def prompts(self, body: GenerateRequest) -> list[list[int]]:
         """The token ids of each prompt of the request."""
-        raise NotImplementedError
-
-    def logprobs_asked(self, body: GenerateRequest) -> Optional[int]:
-        """Top alternatives per token the request asks for (None: no logprobs)."""
         raise NotImplementedError
 
     async def prepare(self, body: GenerateRequest, prompts: list[list[int]], params: DecodeParams,
@@ -161,79 +138,6 @@ class ServingBase:
         await self.prepare(body, prompts, resolved[0].params, choices)
         self._submit(body, max_tokens, choices, submissions)
         return await self.serve(body, request, choices, queue)
-
-    def _profile_knobs(self, decoding: dict[str, Any]) -> Mapping[str, Any]:
-        """The knobs of the profile the request names (`decoding.profile`, taken out of `decoding`),
-        or of the server's default profile; read only (they are spread into the request's knobs)."""
-        if "profile" not in decoding:
-            return self.default_profile.decoding if self.default_profile else {}
-        name = decoding.pop("profile")
-        if not isinstance(name, str) or name not in self.profiles:
-            raise APIError(400, f"decoding.profile: unknown profile {name!r}; this server has "
-                           f"{', '.join(self.profiles)}", param="decoding.profile", code=UNKNOWN_PROFILE)
-        return self.profiles[name].decoding
-
-    def knobs(self, body: GenerateRequest) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The request's decoding knobs (the server's defaults, then the profile, then its `decoding`
-        object and OpenAI fields), and its `decoding` object as given (the profile name taken out)."""
-        if body.decoding and "gen_length" in body.decoding:  # one way to set the canvas, not two
-            raise APIError(400, "decoding.gen_length: the generation canvas is set by max_tokens "
-                           "(max_completion_tokens in chat)", param="decoding.gen_length", code=INVALID_DECODING)
-        decoding = _integral_knobs(dict(body.decoding or {}))
-        profile = self._profile_knobs(decoding)
-        knobs: dict[str, Any] = {**self._defaults, **profile, **decoding}
-        fields = {name: getattr(body, name) for name in ("temperature", "seed", "top_p", "top_k", "min_p")}
-        fields.update(ignore_eos=body.ignore_eos or None, logprobs=self.logprobs_asked(body))
-        for name, value in fields.items():
-            if value is None:
-                continue
-            if name in decoding:  # the OpenAI field wins; the decoding object's value must still be valid
-                try:
-                    check_knob(name, decoding[name])
-                except DecodeParamError as err:
-                    raise APIError(400, str(err), param=f"decoding.{name}", code=INVALID_DECODING) from None
-            knobs[name] = value
-        return knobs, decoding
-
-    def resolve(self, body: GenerateRequest, prompts: list[list[int]], max_tokens: Optional[int]) -> list[Resolved]:
-        """Each prompt's request as the engine will run it (`Engine.resolve`: the model's defaults,
-        the canvas its mode makes of max_tokens, the context), or a 400 naming the request field."""
-        knobs, decoding = self.knobs(body)
-        resolved = []
-        for ids in prompts:
-            try:
-                resolved.append(self.loop.resolve(ids, knobs, max_tokens))
-            except RequestError as err:
-                raise APIError(400, str(err), param=self._field(err, body, decoding, len(ids), max_tokens),
-                               code=err.code) from None
-        return resolved
-
-    def _field(self, err: RequestError, body: GenerateRequest, decoding: dict[str, Any], prompt_len: int,
-               max_tokens: Optional[int]) -> str:
-        """The request field an engine refusal is about: the prompt's (no knob named), the OpenAI field
-        that set the knob, else the decoding object's; a context overflow's as `_context_param` says."""
-        if err.code == CONTEXT_LENGTH_EXCEEDED:
-            return self._context_param(body, prompt_len, max_tokens)
-        param = err.param
-        if param in (None, "prompt_ids"):
-            return self.prompt_field
-        if param == "gen_length":
-            return "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
-        if param == "logprobs":
-            return self.logprobs_field
-        if param in _OPENAI_KNOBS and (param not in decoding or getattr(body, param, None) is not None):
-            return param
-        return param if param == "decoding" else f"decoding.{param}"
-
-    def _context_param(self, body: GenerateRequest, prompt_len: int, max_tokens: Optional[int]) -> str:
-        """The field a context overflow is about: the prompt when it fills the context alone, the
-        block length when only rounding max_tokens up to whole blocks overflows, else max_tokens."""
-        if prompt_len >= self.max_model_len:
-            return self.prompt_field
-        if max_tokens is not None and prompt_len + max_tokens <= self.max_model_len \
-                and "block_length" in (body.decoding or {}):
-            return "decoding.block_length"
-        return "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
 
     def _choices(self, body: GenerateRequest, resolved: list[Resolved], max_tokens: Optional[int],
                  queue: asyncio.Queue) -> tuple[list[ChoiceOutput], list[Submission]]:
