@@ -6,8 +6,9 @@ experts quantized), its KV cache per token of a row, and the smallest listed GPU
 A rank fits a GPU when its weights plus the KV cache of the reference load (`--rows` rows of
 `--tokens` tokens, prompt + canvas, bf16 keys and values) take at most `--usable` of the card's
 memory: the rest is for activations (one forward over the rows), the CUDA context and the allocator.
-A size that does not divide the model (heads, KV heads, experts, MLP widths) is refused by the
-engine, and shows here as refused, with the reason.
+A size that does not divide the model (heads, experts, MLP widths; KV heads, unless the size is a
+multiple of them: each is then replicated) is refused by the engine, and shows here as refused,
+with the reason.
 
 Configs (tests/fixtures/real/): LLaDA-8B-Instruct and SDAR-8B-Chat from their released config.json;
 LLaDA2.0-mini and LLaDA2.0-flash from inclusionAI/dFactory's model configs (verbatim copies, README

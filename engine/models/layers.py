@@ -137,7 +137,7 @@ class Attention(nn.Module):
         self.index = index  # the layer's keys and values in a KV store
         self.tp = tp
         self.num_heads = config.num_heads // tp.size
-        self.num_kv_heads = config.num_kv_heads // tp.size
+        kv_start, self.num_kv_heads = tp.kv_split(config.num_kv_heads)
         self.head_dim = config.head_dim
         self.rotary_dim = config.rotary_dim
         self.rope_in_float32 = config.rope_in_float32
@@ -145,6 +145,9 @@ class Attention(nn.Module):
         self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
                                     bias=config.qkv_bias)
         self.qkv_proj.tp_split = "out"
+        # where this rank's K and V rows start in the checkpoint's, of how many (replicated KV heads)
+        kv_rows = (kv_start * self.head_dim, config.num_kv_heads * self.head_dim)
+        self.qkv_proj.tp_sources = {"k": kv_rows, "v": kv_rows}
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
         self.o_proj.tp_split = "in"
         self.q_norm = make_norm(config.head_dim, config) if config.qk_norm else None

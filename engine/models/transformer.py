@@ -101,7 +101,7 @@ class DiffusionTransformer(nn.Module):
     @property
     def kv_heads(self) -> int:
         """The KV heads whose keys and values this rank stores (all of them on one device)."""
-        return self.config.num_kv_heads // self.tp.size
+        return self.tp.kv_split(self.config.num_kv_heads)[1]
 
     @property
     def device(self) -> torch.device:

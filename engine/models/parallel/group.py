@@ -48,6 +48,14 @@ class TensorParallel:
         count = total // self.size
         return self.rank * count, count
 
+    def kv_split(self, kv_heads: int) -> tuple[int, int]:
+        """(start, count) of this rank's KV heads: an even share where the size divides them, else
+        (a size that is a multiple of them: `sharding.check_divisible`) the one head its query heads
+        read, each head replicated over size / kv_heads ranks, as vLLM and SGLang do."""
+        if kv_heads % self.size == 0:
+            return self.split(kv_heads)
+        return self.rank * kv_heads // self.size, 1
+
     def padded_split(self, total: int) -> tuple[int, int, int]:
         """(start, real, padded) of this rank's share of `total` rows when size need not divide it:
         every rank holds `padded` = ceil(total / size) rows, of which the first `real` exist (the

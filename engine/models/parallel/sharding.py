@@ -4,7 +4,7 @@ A layer marks each linear layer it shards with `tp_split` (engine.models.layers,
 
 | tp_split | layers | the rank holds |
 |---|---|---|
-| "out" | q|k|v, gate|up (dense MLP, shared expert) | its share of each fused part's output rows |
+| "out" | q|k|v, gate|up (dense MLP, shared expert) | its share of each fused part's output rows (k, v: its KV heads' rows, replicated past their count) |
 | "in" | attention output, down (dense MLP, shared expert) | its share of the input columns |
 | "vocab" | embedding, output head | rows [start, start + real) of the vocabulary, padded |
 | "experts" | the routed experts' stacked weights | its experts, whole (the others' are skipped) |
@@ -29,9 +29,12 @@ from engine.models.parallel.group import TensorParallel
 Span = tuple[int, int]  # (start, count)
 
 
-def divisible_sizes(config: ModelConfig) -> dict[str, int]:
-    """Every count a tensor-parallel size must divide, by what a user would call it."""
-    sizes = {"attention heads": config.num_heads, "KV heads": config.num_kv_heads}
+def divisible_sizes(config: ModelConfig, size: int = 1) -> dict[str, int]:
+    """Every count a tensor-parallel `size` must divide, by what a user would call it (the KV heads
+    only where the size is not a multiple of them: then each is replicated, `TensorParallel.kv_split`)."""
+    sizes = {"attention heads": config.num_heads}
+    if size % config.num_kv_heads:
+        sizes["KV heads"] = config.num_kv_heads
     moe = config.moe
     if moe is None or moe.first_dense_layers > 0:
         sizes["MLP intermediate size"] = config.intermediate_size
@@ -47,14 +50,16 @@ def check_divisible(config: ModelConfig, size: int) -> None:
     The vocabulary need not divide: its last shard is padded (`TensorParallel.padded_split`)."""
     if size < 1:
         raise TensorParallelError(f"--tensor-parallel-size must be at least 1, got {size}")
-    for what, count in divisible_sizes(config).items():
+    for what, count in divisible_sizes(config, size).items():
         if count % size:
             raise TensorParallelError(f"--tensor-parallel-size {size} does not divide the model's {count} {what}; "
-                                      f"use a size that divides every one of {_listing(config)}")
+                                      f"use a size that divides every one of {_listing(config)}, and divides "
+                                      f"or is a multiple of its {config.num_kv_heads} KV heads (each KV head "
+                                      f"then replicated)")
 
 
 def _listing(config: ModelConfig) -> str:
-    return ", ".join(f"{count} {what}" for what, count in divisible_sizes(config).items())
+    return ", ".join(f"{count} {what}" for what, count in divisible_sizes(config, config.num_kv_heads).items())
 
 
 @dataclass(frozen=True)
@@ -82,13 +87,15 @@ def source_slices(module: nn.Module, param_shape: tuple[int, ...], shard: Option
     if split == "out":
         # a tensor may fill one fused part (`shard`) or, already fused in the checkpoint (LLaDA2's
         # query_key_value), every part in order: each part's rows are split across the ranks
+        # (replicated KV heads: the part says where this rank's rows start, of how many: `tp_sources`)
         parts = [shard] if shard is not None else list(offsets) or [None]
         reads, source = [], 0
         for part in parts:
             dest = offsets[part] if part is not None else (0, param_shape[0])
             local = dest[1]
-            reads.append(SliceRead((source + tp.rank * local, local), None, dest))
-            source += local * tp.size
+            start, total = getattr(module, "tp_sources", {}).get(part, (tp.rank * local, local * tp.size))
+            reads.append(SliceRead((source + start, local), None, dest))
+            source += total
         return (source, *tail), reads
     if split == "in":
         columns = param_shape[1]
