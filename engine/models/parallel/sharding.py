@@ -4,11 +4,14 @@ A layer marks each linear layer it shards with `tp_split` (engine.models.layers,
 
 | tp_split | layers | the rank holds |
 |---|---|---|
-| "out" | q|k|v, gate|up (dense MLP, shared expert) | its share of each fused part's output rows (k, v: its KV heads' rows, replicated past their count) |
+| "out" | q|k|v, gate|up (dense MLP, shared expert) | its share of each fused part's output rows (k, v: its KV heads'; * below) |
 | "in" | attention output, down (dense MLP, shared expert) | its share of the input columns |
 | "vocab" | embedding, output head | rows [start, start + real) of the vocabulary, padded |
 | "experts" | the routed experts' stacked weights | its experts, whole (the others' are skipped) |
 | (none) | norms, router, expert bias | everything (replicated) |
+
+* past the KV heads' count (a size that is a multiple of them), each rank loads the rows of the one
+KV head its query heads read (`TensorParallel.kv_split`; the layer's `tp_sources`).
 
 `source_slices` turns one checkpoint tensor into the reads of this rank: (rows, columns) of the
 tensor and the rows of the parameter they fill. At size 1 every read is the whole tensor, as the
