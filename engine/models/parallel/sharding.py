@@ -4,7 +4,7 @@ A layer marks each linear layer it shards with `tp_split` (engine.models.layers,
 
 | tp_split | layers | the rank holds |
 |---|---|---|
-| "out" | q|k|v, gate|up (dense MLP, shared expert) | its share of each fused part's output rows (k, v: its KV heads'; * below) |
+| "out" | q|k|v, gate|up (dense MLP, shared expert) | its share of each fused part's output rows (k, v: *) |
 | "in" | attention output, down (dense MLP, shared expert) | its share of the input columns |
 | "vocab" | embedding, output head | rows [start, start + real) of the vocabulary, padded |
 | "experts" | the routed experts' stacked weights | its experts, whole (the others' are skipped) |
