@@ -129,12 +129,14 @@ def test_tp2_serves_the_other_built_in_models(model: str, stop: signal.Signals) 
     _wait_for(lambda: not any(_alive(pid) for pid in family), "every process of the server gone", timeout=30)
 
 
-def _fault_ends_the_server(hurt: Callable[[int], None], *flags: str) -> str:
-    """Serve at TP2, start a long stream, `hurt` the worker: the stream ends with an error, /health
-    fails saying why, the server exits non-zero and leaves no process. Returns the server's log."""
-    with running_server("-tp", "2", *flags) as (base, proc):
+def _fault_ends_the_server(hurt: Callable[[int], None], *flags: str, size: int = 2) -> str:
+    """Serve at TP `size`, start a long stream, `hurt` the last worker: the stream ends with an error,
+    /health fails saying why, the server exits non-zero and leaves no process. Returns its log."""
+    with running_server("-tp", str(size), *flags) as (base, proc):
         family = _descendants(proc.pid)
-        [worker] = _workers(proc.pid)
+        workers = _workers(proc.pid)
+        assert len(workers) == size - 1
+        worker = workers[-1]
         events: list[str] = []
 
         def stream() -> None:
@@ -169,6 +171,11 @@ def _fault_ends_the_server(hurt: Callable[[int], None], *flags: str) -> str:
 def test_a_killed_worker_fails_health_and_ends_the_server_nonzero() -> None:
     log = _fault_ends_the_server(lambda pid: os.kill(pid, signal.SIGKILL))
     assert "error: the engine failed: tensor-parallel worker rank 1" in log and "exited with code -9" in log
+
+
+def test_a_killed_worker_of_four_ranks_fails_health_and_ends_the_server_nonzero() -> None:
+    log = _fault_ends_the_server(lambda pid: os.kill(pid, signal.SIGKILL), size=4)
+    assert "error: the engine failed: tensor-parallel worker rank" in log and "exited with code -9" in log
 
 
 def test_a_hung_worker_fails_health_and_ends_the_server_nonzero() -> None:
