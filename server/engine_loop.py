@@ -115,10 +115,6 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ the engine, from any thread
 
-    def check_prompt(self, prompt_ids: Sequence[int]) -> None:
-        """RequestError unless the prompt is token ids this model can decode from (any thread)."""
-        self.engine.check_prompt(prompt_ids)
-
     def resolve(self, prompt_ids: Sequence[int], knobs: Mapping[str, Any], max_tokens: Optional[int]) -> Resolved:
         """The request as the engine will run it (`Engine.resolve`, any thread): priced, then submitted
         as it is; RequestError naming the knob that is wrong."""

@@ -34,7 +34,6 @@ def _integral_knobs(decoding: dict[str, Any]) -> dict[str, Any]:
             for name, value in decoding.items()}
 
 
-
 def _max_tokens_field(body: GenerateRequest) -> str:
     return "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
 

@@ -88,7 +88,8 @@ class KVStore:
 
     def admit(self, slot: int, length: int) -> None:
         """A new request in `slot`: it may attend to its canvas's columns [0, length)."""
-        self.key_mask[slot] = torch.arange(self.width, device=self.key_mask.device) < length
+        self.key_mask[slot].zero_()
+        self.key_mask[slot, :length].fill_(True)
 
     def rows_view(self, rows: slice) -> KVStore:
         """A store of these rows that shares this one's memory."""
