@@ -40,6 +40,9 @@ log = logging.getLogger("cai_dllm.parallel")
 
 HEARTBEAT_SECONDS = 1.0  # how often rank 0 pings its workers
 STOP_GRACE_SECONDS = 10.0  # after "stop", how long a worker may take to exit before it is killed
+# A killed peer's sockets close before its process can be reaped, so a collective can fail on rank 0
+# (directly, or through a third rank that saw the peer go) an instant before the death is visible.
+PEER_EXIT_GRACE_SECONDS = 2.0
 
 
 @dataclass
@@ -174,10 +177,11 @@ class WorkerGroup:
 
     def fail_step(self, error: Optional[BaseException]) -> None:
         """A step failed on rank 0: a fault, blamed on a worker that has exited if there is one (its
-        death is what broke the step's collective)."""
-        dead = next((w for w in self.workers if not w.process.is_alive()), None)
-        if dead is not None:
-            self.fail(self._exited(dead))
+        death is what broke the step's collective; it is waited for briefly, see PEER_EXIT_GRACE_SECONDS)."""
+        wait([w.process.sentinel for w in self.workers], timeout=PEER_EXIT_GRACE_SECONDS)
+        dead = [w for w in self.workers if not w.process.is_alive()]
+        if dead:  # a rank killed by a signal broke the step; its peers' failed collectives followed
+            self.fail(self._exited(min(dead, key=lambda w: (w.process.exitcode or 0) >= 0)))
             return
         cause = f" ({type(error).__name__}: {error})" if error is not None else ""
         self.fail(f"a step failed on rank 0{cause}; the tensor-parallel ranks cannot be brought back into step")
