@@ -131,19 +131,24 @@ def _kind(step: int, block: int) -> str:
 
 
 def time_block_steps(model: BlockDiffusionTransformer, prompts: list[tuple[int, ...]],
-                     args: argparse.Namespace) -> BlockTimes:
+                     args: argparse.Namespace, graphs: bool = False) -> BlockTimes:
     """Warm-up pass (expert counting on), then `repeats` fresh engines, each timed through the
-    first block's start, its steps 1..k and the second block's start (the steps between run untimed)."""
+    first block's start, its steps 1..k and the second block's start (the steps between run untimed).
+    With `graphs`, the cached steps run as CUDA graphs (EngineConfig.cuda_graphs): each engine decodes
+    the prompts once untimed, capturing its shapes, then again timed (the store keeps its width, so
+    its graphs stay); the experts are counted in the eager rows only."""
     block, k = args.block, min(args.cached_steps, args.block - 1)
     params = DecodeParams(policy="block-static", gen_length=2 * block, block_length=block, steps=2 * block,
                           ignore_eos=True)
     kinds = (PREFILL, DENOISE, NEXT)
     times = BlockTimes({kind: [] for kind in kinds}, {kind: set() for kind in kinds}, {kind: [] for kind in kinds})
     for repeat in range(args.repeats + 1):
-        engine = Engine.from_model(model, max_batch=len(prompts))
+        engine = Engine.from_model(model, max_batch=len(prompts), cuda_graphs=graphs)
+        if graphs:
+            engine.generate(list(prompts), params)
         for i, prompt in enumerate(prompts):
             engine.add_request(prompt, params, f"bench-{i}")
-        counter = ExpertCounter(model) if repeat == 0 else None
+        counter = ExpertCounter(model) if repeat == 0 and not graphs else None
         for step in range(block + 1):
             timed = step <= k or step == block
             if counter is not None:
@@ -247,10 +252,13 @@ def run_block_model(name: str, args: argparse.Namespace, device: torch.device, d
     print(f"# {name}: {model.display_name} {args.shapes} shapes, {total / 1e9:.3f}B parameters "
           f"({model.config.num_layers} layers, hidden {model.config.hidden_size}{note}), built in "
           f"{time.perf_counter() - start:.1f} s; block-causal mode, exact cache")
-    for batch in args.batches:
+    # CUDA graphs rows where the engine captures this model's steps (a float32 MoE's run eagerly)
+    captures = getattr(args, "cuda_graphs", False) and Engine.from_model(model, cuda_graphs=True).mode.static_forwards
+    graphs = (False, True) if captures else (False,)
+    for batch, graph in [(batch, graph) for batch in args.batches for graph in graphs]:
         prompts = random_prompts(batch, args.prompt_len, spec.token_limit, args.seed + batch)
-        times = time_block_steps(model, prompts, args)
-        for kind in (PREFILL, DENOISE, NEXT):
+        times = time_block_steps(model, prompts, args, graph)
+        for kind in (PREFILL, DENOISE, NEXT) if not graph else (DENOISE, NEXT):
             shape = block_step_shape(kind, batch, args.prompt_len, args.block)
             reported = times.fed_reported[kind]
             if reported != {batch * shape.fed}:
@@ -267,6 +275,7 @@ def run_block_model(name: str, args: argparse.Namespace, device: torch.device, d
             comp_s = block_step_flops(dims, shape) / rates.matmul_flops_per_s
             floor_s = max(mem_s, comp_s)
             fed = batch * shape.fed
-            emit((name, "none", batch, "exact", kind, model.attention_backend, 1e3 * step_s, fed, fed / step_s,
+            label = f"{model.attention_backend}+graph" if graph else model.attention_backend
+            emit((name, "none", batch, "exact", kind, label, 1e3 * step_s, fed, fed / step_s,
                   1e3 * mem_s, 1e3 * comp_s, 1e3 * floor_s, step_s / floor_s))
     del model

@@ -237,7 +237,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="also time every dual row with the engine's CUDA graphs (EngineConfig.cuda_graphs; "
                         "default: on with --device cuda), "
                         "attention sdpa, labelled 'sdpa+graph' (each repeat's fresh engine captures its graph in "
-                        "its first cached step, one of the steps the median is taken over)")
+                        "its first cached step, one of the steps the median is taken over); and the SDAR and "
+                        "LLaDA2 denoise and next rows (bench/block_step.py: captured in an untimed pass)")
     parser.add_argument("--quantization", nargs="+", choices=("none", "int8", "int4", "fp8"), default=["none"],
                         help="weights of the decoder layers' linears, each a run (engine.quantization); the memory "
                              "floor counts the quantized bytes")

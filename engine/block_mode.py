@@ -24,17 +24,30 @@ Every row that runs against its exact cache (a denoising step or a store pass, w
 size and fed length) takes part in one forward, its fed tokens packed (engine/models/packing.py):
 the rows hold slots [0, n) in row order (engine/scheduler.py), so the forward attends over a view of
 the store's first rows, never a copy. Window rows share a forward by block size, fed length and mask.
+
+On static buffers (`EngineConfig.static_forwards`: CUDA graphs, or torch.compile), the cached forward
+runs over slots [0, bucket) on the padded grid of the step's longest feed (`engine.static_forward`),
+when that is at most two blocks: a block's denoising steps feed the block, its first step the finished
+block too. A longer feed (a prompt's first step) runs the ordinary, packed forward. Its attention
+spans a power-of-two number of columns (one shape for every width up to it), masked to each row's.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Optional
 
 import torch
 
 from engine.batch import Batch, RowPlan
 from engine.decoding.params import DecodeParams
+from engine.errors import SettingError
 from engine.mode import DecodingMode, ForwardFn
-from engine.models.block_transformer import BlockCache
+from engine.models.block_transformer import BlockCache, BlockDiffusionTransformer
+from engine.models.moe import GroupedExperts
 from engine.request import Geometry, Request
+from engine.slots import Slots
+from engine.static_forward import Buffer, StaticForwards
 
 BLOCK, STORE, WINDOW = "block", "store", "window"
 CACHED = "cached"  # the group of every row that runs against its exact cache
@@ -44,6 +57,18 @@ class BlockDiffusion(DecodingMode):
     name = "block"
     caches = ("exact", "none")
     prefix_caching = True
+    model: BlockDiffusionTransformer
+
+    def __init__(self, model: BlockDiffusionTransformer, slots: Slots, static: Optional[str] = None) -> None:
+        if static is not None and not all(m.static for m in model.modules() if isinstance(m, GroupedExperts)):
+            if static == "compile":
+                raise SettingError("--torch-compile", f"{model.display_name}'s experts run a compiled forward only "
+                                   f"in bfloat16 and unquantized (torch's grouped GEMM); serve it with --dtype "
+                                   f"bfloat16 or without the flag")
+            static = None  # CUDA graphs by default: this model's steps run eagerly
+        super().__init__(model, slots, static)
+        self.static_forwards = None if static is None else StaticForwards(
+            self._static_run, static, slots.canvas.shape[0], model.device)
 
     @property
     def forwards(self) -> dict[str, ForwardFn]:
@@ -113,11 +138,38 @@ class BlockDiffusion(DecodingMode):
         p = positions[None, :width]
         block = rows.block_length[:, None]
         at = torch.where((p < block) & (rows.commits[:, None] > 0), fed[:, None] - block + p, 0)
+        attended = max(r.cached + plan.fed for r, plan in zip(requests, rows.plans, strict=True))
+        if self.static_forwards is not None and length <= 2 * rows.width:
+            return self._static(rows, {"ids": ids, "start": rows.cache_start, "fed": fed, "block": rows.block_length,
+                                       "at": at}, length, attended, width)
         # over the rows' span of slots (a view of the store); a window row inside it feeds nothing
         cache = BlockCache(self.slots.store.rows_view(rows.span), rows.spread(rows.cache_start, 0),
-                           width=max(r.cached + plan.fed for r, plan in zip(requests, rows.plans, strict=True)),
+                           width=attended,
                            fed=rows.spread(fed, 0), scratch=rows.max_length,
                            fed_total=sum(plan.fed for plan in rows.plans))
         logits = self.model.forward_cached(rows.spread(ids, self.mask_id), cache,
                                            block_size=rows.spread(rows.block_length, 1), logits_at=rows.spread(at, 0))
         return rows.gather(logits)
+
+    def _static(self, rows: Batch, inputs: Mapping[str, torch.Tensor], length: int, attended: int,
+                width: int) -> torch.Tensor:
+        """The cached forward on static buffers (`engine.static_forward`), keyed by (bucket, fed
+        length, columns attended, logits width): the columns a power of two (within the store, short
+        of its last column, the scratch column of idle slots and padding)."""
+        assert self.static_forwards is not None
+        store = self.slots.store
+        columns = min(1 << (attended - 1).bit_length(), store.width - 1)
+        key = (self.static_forwards.bucket(rows.requests[-1].slot), length, columns, width)
+        buffers = {"ids": Buffer((length,), torch.long, self.mask_id), "start": Buffer((), torch.long, 0),
+                   "fed": Buffer((), torch.long, 0), "block": Buffer((), torch.long, 1),
+                   "at": Buffer((width,), torch.long, 0)}
+        return self.static_forwards.forward(key, lambda: buffers, store.keys[0], rows.slots, inputs)
+
+    def _static_run(self, x: Mapping[str, torch.Tensor], key: tuple[int, int, int, int]) -> torch.Tensor:
+        """Logits [bucket, width, V] of slots [0, bucket): an idle slot feeds nothing (its padding
+        writes the store's last column, which no row attends)."""
+        bucket, _, columns, _ = key
+        store = self.slots.store
+        cache = BlockCache(store.rows_view(slice(0, bucket)), x["start"], width=columns, fed=x["fed"],
+                           scratch=store.width - 1)
+        return self.model.forward_cached(x["ids"], cache, block_size=x["block"], logits_at=x["at"])

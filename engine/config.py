@@ -23,6 +23,9 @@ class EngineConfig:
     # None: on for CUDA at tensor_parallel_size 1 (vLLM captures graphs unless --enforce-eager; the H200
     # check measured the same tokens, docs/performance.md), off elsewhere
     cuda_graphs: Optional[bool] = None
+    # compile the cached steps' static forwards with torch.compile(fullgraph=True), one per shape, where
+    # they do not run as CUDA graphs (engine.static_forward; the first step of each shape compiles it)
+    torch_compile: bool = False
     # the most top alternatives a request may ask for per token (vLLM's --max-logprobs)
     max_logprobs: int = 20
     # the most tokens one likelihood-scoring request may feed the model: (n - 1) x samples x n for a
@@ -84,6 +87,9 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.cuda_graphs:
             raise ValueError("cuda_graphs is not available with tensor_parallel_size > 1 (the step's collectives "
                              "are not captured; docs/operations.md, 'Several GPUs')")
+        if self.tensor_parallel_size > 1 and self.torch_compile:
+            raise ValueError("torch_compile is not available with tensor_parallel_size > 1 (the step's collectives "
+                             "are not compiled)")
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be positive, got {self.distributed_timeout!r}")
         if self.prefix_cache_gb is not None and (isinstance(self.prefix_cache_gb, bool)
@@ -99,3 +105,10 @@ class EngineConfig:
         if self.cuda_graphs is not None:
             return self.cuda_graphs
         return self.device.startswith("cuda") and self.tensor_parallel_size == 1
+
+    @property
+    def static_forwards(self) -> Optional[str]:
+        """How the cached steps' static forwards run (engine.static_forward.HOW), None: not at all."""
+        if self.uses_cuda_graphs:
+            return "graph"
+        return "compile" if self.torch_compile else None

@@ -27,17 +27,7 @@ import torch
 
 from engine.models.kv_cache import CacheWrite, KVStore
 from engine.models.transformer import DiffusionTransformer
-
-# Batch sizes a graph is captured for: small ones one by one (a server's usual load), then every
-# multiple of this, as vLLM does.
-_BUCKET_STEP = 8
-
-
-def batch_buckets(max_batch: int) -> tuple[int, ...]:
-    """1, 2, 4, 8, 16, 24, ... up to and always including max_batch."""
-    small = [b for b in (1, 2, 4) if b < max_batch]
-    large = list(range(_BUCKET_STEP, max_batch, _BUCKET_STEP))
-    return (*small, *large, max_batch)
+from engine.static_forward import batch_buckets
 
 
 @dataclass

@@ -31,7 +31,6 @@ from engine.config import EngineConfig
 from engine.cpus import set_threads
 from engine.decoding.params import DecodeParamError, DecodeParams
 from engine.decoding.types import GenerationResult, RequestStats
-from engine.dual_graphs import DualStepGraphs
 from engine.errors import CheckpointError, RequestError, SettingError
 from engine.loading.tokenizer import load_tokenizer
 from engine.loading.weights import load_model
@@ -71,13 +70,13 @@ class Engine:
 
     @classmethod
     def from_model(cls, model: DiffusionModel, tokenizer: Optional[Any] = None, max_batch: int = 8,
-                   cuda_graphs: bool = False, enable_prefix_caching: Optional[bool] = False,
-                   prefix_cache_gb: Optional[float] = None) -> Engine:
+                   cuda_graphs: bool = False, torch_compile: bool = False,
+                   enable_prefix_caching: Optional[bool] = False, prefix_cache_gb: Optional[float] = None) -> Engine:
         """An engine over an already loaded model (tests, training, benchmarks). Prefix caching is off
         unless asked for, so that repeated runs of the same prompts measure the same work."""
         engine = cls.__new__(cls)
         config = EngineConfig(model="", device=str(model.device), dtype=str(model.dtype).removeprefix("torch."),
-                              max_batch=max_batch, cuda_graphs=cuda_graphs,
+                              max_batch=max_batch, cuda_graphs=cuda_graphs, torch_compile=torch_compile,
                               quantization=model.quantization, quantize_head=model.quantized_head,
                               enable_prefix_caching=enable_prefix_caching, prefix_cache_gb=prefix_cache_gb)
         engine._setup(config, model, tokenizer)
@@ -124,8 +123,7 @@ class Engine:
         mode = MODES[self.family.mode]  # the decoding mode of the model's family: the same for every reset
         self.slots = mode.slots_class(self.model, self.max_batch, mode.row_state(self.model))
         self.scheduler = self._make_scheduler()
-        graphs = DualStepGraphs(self.model, self.max_batch, capture=True) if self.config.uses_cuda_graphs else None
-        self.mode = mode(self.model, self.slots, graphs)
+        self.mode = mode(self.model, self.slots, self.config.static_forwards)
         self.runner = ModelRunner(self.mode, self.slots)
 
     def _make_scheduler(self) -> Scheduler:

@@ -37,8 +37,10 @@ class MaskedDiffusion(DecodingMode):
     caches = ("none", "prefix", "dual")
     scores_likelihood = True
 
-    def __init__(self, model: DiffusionTransformer, slots: Slots, dual_graphs: Optional[DualStepGraphs] = None) -> None:
-        super().__init__(model, slots, dual_graphs)
+    def __init__(self, model: DiffusionTransformer, slots: Slots, static: Optional[str] = None) -> None:
+        super().__init__(model, slots, static)
+        # the dual-cache forward on static buffers, captured as CUDA graphs (engine.dual_graphs)
+        self.dual_graphs = DualStepGraphs(model, slots.canvas.shape[0], capture=True) if static == "graph" else None
         self.shift = 1 if model.logits_shifted else 0  # Dream: output i-1 predicts token i
 
     @property

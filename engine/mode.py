@@ -31,7 +31,6 @@ from engine.decoding.knobs import mode_knobs
 from engine.decoding.params import DecodeParams, canvas_for_max_tokens, canvas_within
 from engine.decoding.registry import POLICIES, policy_state
 from engine.decoding.row_state import RowState
-from engine.dual_graphs import DualStepGraphs
 from engine.errors import RequestError
 from engine.models.protocol import DiffusionModel
 from engine.request import Geometry, Request
@@ -50,11 +49,12 @@ class DecodingMode:
     slots_class: ClassVar[type[Slots]] = Slots  # the owner of its slot state
     confidence_bands: ClassVar[bool] = True  # a block's first-step confidence bands mean something
 
-    def __init__(self, model: DiffusionModel, slots: Slots, dual_graphs: Optional[DualStepGraphs] = None) -> None:
+    def __init__(self, model: DiffusionModel, slots: Slots, static: Optional[str] = None) -> None:
+        """`static`: how the mode's cached forwards run on static buffers, one of
+        `engine.static_forward.HOW` ("graph": CUDA graphs; "compile": torch.compile); None: they do not."""
         self.model = model
         self.slots = slots
-        # the masked mode's dual-cache forward on static buffers, CUDA graphs when capturing (engine.dual_graphs)
-        self.dual_graphs = dual_graphs
+        self.static = static
         self.mask_id = model.special.mask_id
         self.blank = self.mask_id  # what a canvas's generation positions start as
 

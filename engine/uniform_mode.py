@@ -59,8 +59,8 @@ class UniformDiffusion(DecodingMode):
     confidence_bands = False
     slots: UniformSlots
 
-    def __init__(self, model: Any, slots: UniformSlots, dual_graphs: Any = None) -> None:
-        super().__init__(model, slots, dual_graphs)
+    def __init__(self, model: Any, slots: UniformSlots, static: Optional[str] = None) -> None:
+        super().__init__(model, slots, static)
         self.mask_id = self.blank = BLANK
         self.canvas_length: int = model.canvas_length
         self._policy_state = tuple(policy_state(self.name))  # the row state its policies read

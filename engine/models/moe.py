@@ -9,7 +9,8 @@ unbiased s of the chosen experts, renormalised and scaled by `routed_scaling_fac
 Experts: the (token, expert) pairs are sorted by expert, so each expert runs one matmul over its
 tokens. Two kernels compute that: `plain` (one matmul pair per expert with tokens; it reads the
 per-expert counts on the host, once per MoE layer) and `grouped_mm` (torch's grouped GEMM over the
-jagged groups: no host read), taken automatically where PyTorch documents it (CUDA, bf16).
+jagged groups: no host read), taken automatically where PyTorch documents it (CUDA, bf16) and inside
+a compiled or captured forward (which cannot read the host), where the weights' strides allow it.
 Quantized experts (`--quantization`) are one quantized linear pair per expert, run as `plain` runs
 its matmuls: neither quantization library has a grouped kernel over stacked weights.
 
@@ -161,6 +162,15 @@ class GroupedExperts(nn.Module):
         self.gate_up_proj = self.down_proj = None  # frees the stacked float weights
         self.quantized = nn.ModuleList(experts)
 
+    @property
+    def static(self) -> bool:
+        """Whether a compiled or captured forward can run these experts: by `grouped_mm` (no host
+        read), which takes bfloat16 weights whose strides it allows."""
+        if self.quantized is not None:
+            return False
+        weight = self.stacked_weights()[0]
+        return weight.dtype == torch.bfloat16 and _grouped_mm_fits(weight, (self.hidden_size, self.intermediate_size))
+
     def kernel_for(self, x: torch.Tensor) -> str:
         if self.quantized is not None:
             return _QUANTIZED_KERNEL
@@ -168,7 +178,9 @@ class GroupedExperts(nn.Module):
             return self.kernel
         on_documented_device = (x.is_cuda and x.dtype == torch.bfloat16
                                 and torch.cuda.get_device_capability(x.device) >= (8, 0))
-        if on_documented_device and _grouped_mm_fits(x, (self.hidden_size, self.intermediate_size)):
+        # a compiled or captured forward (engine.static_forward) cannot read the counts on the host
+        static = torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        if (on_documented_device or static) and _grouped_mm_fits(x, (self.hidden_size, self.intermediate_size)):
             return "grouped_mm"
         return "plain"
 

@@ -90,20 +90,24 @@ def test_bfloat16_on_the_device_changes_no_more_texts_than_bfloat16_rounding(nam
 
 
 @pytest.mark.skipif(not CHECK_DEVICE.startswith("cuda"), reason="CUDA graphs need a CUDA device (the static "
-                    "forward they capture runs eagerly on CPU in tests/engine/test_dual_graphs.py)")
+                    "forwards they capture run eagerly on CPU in tests/engine/test_dual_graphs.py and "
+                    "test_static_block_forward.py)")
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", MASKED_MODELS)
+@pytest.mark.parametrize("name", ALL_MODELS)
 def test_cuda_graphs_give_the_tokens_eager_steps_give(name, dtype, record_property):
-    """Every request of the check (dual-cache rows run as graphs beside none and prefix rows): the
-    eager engine's tokens, all of them in float32; in bfloat16 within the rounding budget (a graph
-    runs a padded bucket of rows, whose matmuls may pick other kernels)."""
+    """Every request of the check (dual-cache rows, or block-diffusion cached rows, run as graphs
+    beside the rows of other forwards): the eager engine's tokens, all of them in float32; in bfloat16
+    within the rounding budget (a graph runs a padded bucket of rows, whose matmuls may pick other
+    kernels)."""
     eager = decoded(name, CHECK_DEVICE, dtype)
     engine = Engine.from_model(model_on(name, CHECK_DEVICE, dtype), tokenizer_of(name), max_batch=8,
                                cuda_graphs=True)
     graphs = decode_with(engine, check_requests(name))
-    assert engine.mode.dual_graphs is not None and engine.mode.dual_graphs.captured > 0
+    mode = engine.mode
+    captured = mode.dual_graphs.captured if name in MASKED_MODELS else mode.static_forwards.made
+    assert captured > 0
     diff = changed(graphs.tokens, eager.tokens)
-    record_property("graphs", engine.mode.dual_graphs.captured)
+    record_property("graphs", captured)
     if dtype == "float32":
         record_property("changed", f"{len(diff)}/{len(eager.tokens)}")
         assert not diff, describe(name, diff, graphs.texts, eager.texts)

@@ -12,8 +12,9 @@ import torch
 from engine import DecodeParams, Engine, EngineConfig, load_model
 from engine.batch import Batch
 from engine.chat import chat_prompt_ids
-from engine.dual_graphs import DualStepGraphs, batch_buckets
+from engine.dual_graphs import DualStepGraphs
 from engine.loading.tokenizer import load_tokenizer
+from engine.static_forward import batch_buckets
 from tinymodels.evaluate import held_out_problems
 
 MODELS = Path(__file__).resolve().parents[2] / "models"

@@ -1,0 +1,98 @@
+"""Offline generated tokens/s of the block-diffusion cached step three ways, in one run: the ordinary
+(packed) forward, the static forward run eagerly, and the static forward compiled with
+torch.compile(fullgraph=True) (`EngineConfig.torch_compile`, engine/static_forward.py).
+
+The same held-out chat problems, decoding and threads for each; runs alternated between the three
+engines, so a slow phase of a shared machine hits each at random; ratios of the medians against the
+ordinary forward. The compiled engine's first run compiles every shape it meets (batch bucket x tokens
+fed x columns attended): its time is printed as the warm-up cost and left out of the ratio. Generated
+tokens are the response tokens (before the end token); accuracy is exact match, `cai-dllm eval`'s
+grader; "identical" counts the texts equal to the ordinary forward's.
+
+    python bench/static_step.py --n 64 --batch 8 --repeats 3 > bench/results/static_step_cpu.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from engine import DecodeParams, Engine, load_model  # noqa: E402
+from engine.chat import chat_prompt_ids  # noqa: E402
+from engine.loading.tokenizer import load_tokenizer  # noqa: E402
+from tinymodels.evaluate import held_out_problems  # noqa: E402
+from tinymodels.tasks import answer_of  # noqa: E402
+
+POLICIES = {"block-static": DecodeParams(policy="block-static"),
+            "block-dynamic 0.9": DecodeParams(policy="block-dynamic", threshold=0.9),
+            "cai": DecodeParams(policy="cai")}
+ENGINES = ("ordinary", "static", "compiled")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(REPO / "models" / "sdar-tiny"))
+    parser.add_argument("--n", type=int, default=64, help="held-out problems")
+    parser.add_argument("--seed", type=int, default=7, help="the held-out problems' seed")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--policies", nargs="+", choices=tuple(POLICIES), default=list(POLICIES))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model), load_tokenizer(args.model)
+    problems = held_out_problems(args.n, args.seed)
+    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": p.prompt}]) for p in problems]
+    print(f"# {platform.machine()}, {args.threads} threads, CPU, {model.dtype}; {Path(args.model).name}, "
+          f"{args.n} held-out chat problems (seed {args.seed}), batch {args.batch}; runs alternated, "
+          f"{args.repeats} each; torch {torch.__version__}")
+    print(f"# command: python bench/static_step.py --n {args.n} --seed {args.seed} --batch {args.batch} "
+          f"--repeats {args.repeats} --threads {args.threads} --policies {' '.join(repr(p) for p in args.policies)}")
+    print(f"{'policy':18} {'forward':9} {'tok/s runs':24} {'median':>7} {'x ordinary':>10} {'accuracy':>8} "
+          f"{'identical':>9}")
+    for name in args.policies:
+        params = POLICIES[name]
+        engines = {"ordinary": Engine.from_model(model, tokenizer, max_batch=args.batch),
+                   "static": Engine.from_model(model, tokenizer, max_batch=args.batch),
+                   "compiled": Engine.from_model(model, tokenizer, max_batch=args.batch, torch_compile=True)}
+        # the static forward run eagerly: the compiled engine's, without the compile
+        block_mode = engines["static"].mode
+        block_mode.static_forwards = type(engines["compiled"].mode.static_forwards)(
+            block_mode._static_run, "eager", args.batch, model.device)
+        torch._dynamo.reset()
+        began = time.perf_counter()
+        engines["compiled"].generate(prompts, params)
+        warm_up = time.perf_counter() - began
+        rates: dict[str, list[float]] = {e: [] for e in ENGINES}
+        texts: dict[str, list[str]] = {}
+        for _ in range(args.repeats):
+            for label, engine in engines.items():
+                began = time.perf_counter()
+                results = engine.generate(prompts, params)
+                elapsed = time.perf_counter() - began
+                tokens = sum(len(r.response_ids) for r in results)
+                rates[label].append(tokens / elapsed)
+                texts[label] = [r.text or "" for r in results]
+        base = statistics.median(rates["ordinary"])
+        for label in ENGINES:
+            median = statistics.median(rates[label])
+            correct = sum(answer_of(p.kind, t) == p.answer for p, t in zip(problems, texts[label], strict=True))
+            same = sum(a == b for a, b in zip(texts[label], texts["ordinary"], strict=True))
+            runs = " ".join(f"{r:.0f}" for r in rates[label])
+            print(f"{name:18} {label:9} {runs:24} {median:7.0f} {median / base:9.2f}x {100 * correct / args.n:7.1f}% "
+                  f"{same:>5}/{args.n}")
+        print(f"{name:18} compiled: warm-up run {warm_up:.0f} s ({engines['compiled'].mode.static_forwards.made} "
+              f"shapes compiled)")
+
+
+if __name__ == "__main__":
+    main()

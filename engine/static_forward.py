@@ -1,0 +1,150 @@
+"""A forward on static buffers, one set per shape: what a CUDA graph replays and what
+`torch.compile(fullgraph=True)` compiles once per shape.
+
+A graph replays fixed shapes at fixed addresses, and a compiled forward is fastest on shapes it has
+seen, so the forward runs on buffers indexed by slot rather than by the step's rows:
+
+- row s of every input buffer is slot s; a shape covers slots [0, bucket), where bucket is the
+  smallest batch bucket above the highest slot in the step (the scheduler hands out the lowest free
+  slots, so this is about the number of running rows);
+- every other input of the shape (tokens fed, the columns attended, the logits width) is part of its
+  key, which the caller picks from host facts of the rows, so nothing in the forward reads a device
+  value back or branches on one;
+- a slot that takes no part (free, or running another forward this step) gets its buffers' idle
+  values, which the caller chooses so that the slot writes only a scratch column no row attends;
+  its outputs are never read.
+
+How a shape runs (`HOW`): `eager` runs the static forward as is (what the tests compare with the
+engine's ordinary forwards), `compile` through `torch.compile(fullgraph=True)` (no graph break: a
+break would be a host round trip in the middle of the step), `graph` as a CUDA graph captured the
+first time its key is needed. Every shape is dropped when the store's tensors are reallocated (it
+grows when a longer request arrives): a captured graph points into the old ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+log = logging.getLogger("cai_dllm.engine")
+
+HOW = ("eager", "compile", "graph")
+# Batch sizes a shape is made for: small ones one by one (a server's usual load), then every
+# multiple of this, as vLLM captures its graphs.
+_BUCKET_STEP = 8
+# torch.compile compiles each key once; a server meets a few dozen (buckets x fed lengths x widths)
+_COMPILED_SHAPES = 256
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, 16, 24, ... up to and always including max_batch."""
+    small = [b for b in (1, 2, 4) if b < max_batch]
+    large = list(range(_BUCKET_STEP, max_batch, _BUCKET_STEP))
+    return (*small, *large, max_batch)
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One input of the static forward: its shape past the bucket's rows, dtype and idle value."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    idle: int
+
+
+RunFn = Callable[[Mapping[str, torch.Tensor], Hashable], torch.Tensor]  # (buffers, key) -> outputs [bucket, ...]
+
+
+@dataclass
+class _Shape:
+    inputs: dict[str, torch.Tensor]  # [bucket, ...] each
+    idle: dict[str, int]
+    output: Optional[torch.Tensor] = None  # the captured graph's
+    graph: Optional[torch.cuda.CUDAGraph] = None
+
+
+class StaticForwards:
+    """A forward (`run`) on static buffers per key, run eagerly, compiled or as CUDA graphs (`how`)."""
+
+    def __init__(self, run: RunFn, how: str, max_batch: int, device: torch.device) -> None:
+        if how not in HOW:
+            raise ValueError(f"how must be one of {', '.join(HOW)}; got {how!r}")
+        if how == "graph" and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the model is on {device}")
+        self.how = how
+        self.device = device
+        self.buckets = batch_buckets(max_batch)
+        self._run = run
+        if how == "compile":
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _COMPILED_SHAPES)
+            self._run = torch.compile(run, fullgraph=True, dynamic=False)
+        self._shapes: dict[Hashable, _Shape] = {}
+        self._owner: Optional[torch.Tensor] = None  # the store tensor the shapes were made over
+
+    @property
+    def made(self) -> int:
+        """Shapes made so far (graphs captured, when capturing)."""
+        return len(self._shapes)
+
+    def bucket(self, max_slot: int) -> int:
+        """The batch bucket of a step whose highest slot is `max_slot`."""
+        return next(b for b in self.buckets if b > max_slot)
+
+    def forward(self, key: Hashable, buffers: Callable[[], Mapping[str, Buffer]], owner: torch.Tensor,
+                slots: torch.Tensor, rows: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The outputs of the rows at `slots` ([B] slot indices, below the key's bucket, its first
+        element), whose inputs are `rows` (name -> [B, ...]), the other slots idle. `buffers` gives
+        the key's inputs the first time it is met; `owner` is the store's first tensor (a new one
+        drops every shape)."""
+        if owner is not self._owner:
+            self._shapes.clear()
+            self._owner = owner
+        shape = self._shapes.get(key)
+        new = shape is None
+        if shape is None:
+            shape = self._shapes[key] = self._make(key, buffers())
+        for name, tensor in shape.inputs.items():
+            tensor.fill_(shape.idle[name])
+        for name, value in rows.items():
+            shape.inputs[name][slots] = value
+        # a new shape is compiled or captured on this step's inputs: idle ones alone need not be
+        # consistent with the key (a key may count the tokens the rows feed)
+        if new and self.how == "graph":
+            began = time.perf_counter()
+            self._capture(shape, key)
+            log.info("static forward %s: captured in %.1f s", key, time.perf_counter() - began)
+        if shape.graph is None:
+            began = time.perf_counter()
+            out = self._run(shape.inputs, key)[slots]
+            if new and self.how == "compile":
+                log.info("static forward %s: compiled in %.1f s", key, time.perf_counter() - began)
+            return out
+        shape.graph.replay()
+        assert shape.output is not None
+        return shape.output[slots]
+
+    def _make(self, key: Hashable, buffers: Mapping[str, Buffer]) -> _Shape:
+        bucket = key[0] if isinstance(key, tuple) else key
+        return _Shape(inputs={name: torch.full((bucket, *b.shape), b.idle, dtype=b.dtype, device=self.device)
+                              for name, b in buffers.items()},
+                      idle={name: b.idle for name, b in buffers.items()})
+
+    def _capture(self, shape: _Shape, key: Hashable) -> None:
+        # Warm up on a side stream first (the allocator's and the kernels' first-call work stays out
+        # of the graph), as PyTorch's capture recipe asks: the step's own forward, which the replay
+        # then runs again (the same keys and values written twice).
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._run(shape.inputs, key)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        # Each graph keeps its own memory pool: replays of different shapes never share scratch memory.
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            shape.output = self._run(shape.inputs, key)
+        shape.graph = graph
