@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO))
 from engine import DecodeParams, Engine, load_model  # noqa: E402
 from engine.chat import chat_prompt_ids  # noqa: E402
 from engine.loading.tokenizer import load_tokenizer  # noqa: E402
+from engine.static_forward import StaticForwards  # noqa: E402
 from tinymodels.evaluate import held_out_problems  # noqa: E402
 from tinymodels.tasks import answer_of  # noqa: E402
 
@@ -66,8 +67,7 @@ def main() -> None:
                    "compiled": Engine.from_model(model, tokenizer, max_batch=args.batch, torch_compile=True)}
         # the static forward run eagerly: the compiled engine's, without the compile
         block_mode = engines["static"].mode
-        block_mode.static_forwards = type(engines["compiled"].mode.static_forwards)(
-            block_mode._static_run, "eager", args.batch, model.device)
+        block_mode.static_forwards = StaticForwards(block_mode._static_run, "eager", args.batch, model.device)
         torch._dynamo.reset()
         began = time.perf_counter()
         engines["compiled"].generate(prompts, params)

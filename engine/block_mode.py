@@ -160,10 +160,14 @@ class BlockDiffusion(DecodingMode):
         store = self.slots.store
         columns = min(1 << (attended - 1).bit_length(), store.width - 1)
         key = (self.static_forwards.bucket(rows.requests[-1].slot), length, columns, width)
-        buffers = {"ids": Buffer((length,), torch.long, self.mask_id), "start": Buffer((), torch.long, 0),
-                   "fed": Buffer((), torch.long, 0), "block": Buffer((), torch.long, 1),
-                   "at": Buffer((width,), torch.long, 0)}
-        return self.static_forwards.forward(key, lambda: buffers, store.keys[0], rows.slots, inputs)
+        return self.static_forwards.forward(key, lambda: self._buffers(length, width), store.keys[0], rows.slots,
+                                            inputs)
+
+    def _buffers(self, length: int, width: int) -> dict[str, Buffer]:
+        """A new shape's inputs and the values of a slot that takes no part."""
+        return {"ids": Buffer((length,), torch.long, self.mask_id), "start": Buffer((), torch.long, 0),
+                "fed": Buffer((), torch.long, 0), "block": Buffer((), torch.long, 1),
+                "at": Buffer((width,), torch.long, 0)}
 
     def _static_run(self, x: Mapping[str, torch.Tensor], key: tuple[int, int, int, int]) -> torch.Tensor:
         """Logits [bucket, width, V] of slots [0, bucket): an idle slot feeds nothing (its padding

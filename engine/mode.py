@@ -54,7 +54,6 @@ class DecodingMode:
         `engine.static_forward.HOW` ("graph": CUDA graphs; "compile": torch.compile); None: they do not."""
         self.model = model
         self.slots = slots
-        self.static = static
         self.mask_id = model.special.mask_id
         self.blank = self.mask_id  # what a canvas's generation positions start as
 
