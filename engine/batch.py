@@ -13,11 +13,12 @@ from __future__ import annotations
 import array
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
 from engine.host_copy import to_device
+from engine.models.parallel.group import VocabShard
 from engine.request import Request
 
 
@@ -46,6 +47,7 @@ class ForwardOutput:
     block_tokens: torch.Tensor  # [B, W] the canvas at each row's block (past the block: what follows it)
     in_block: torch.Tensor  # [B, W] position inside the row's block
     positions: torch.Tensor  # [B, W] canvas index of each block position
+    vocab: Optional[VocabShard] = None  # the logits' columns on a tensor-parallel rank (None: all of them)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import torch
 from engine import summary
 from engine.batch import Batch, ForwardOutput, StepDecision
 from engine.decoding import policies as P
+from engine.decoding import vocab_parallel as V
 from engine.decoding.knobs import field_words
 from engine.decoding.params import DecodeParams
 from engine.decoding.registry import POLICIES, PolicyInputs, decide, policy_rows
@@ -31,20 +32,30 @@ def decide_masks(batch: Batch, rows: RowTables, out: ForwardOutput, end_ids: tor
     """Predict, decide and commit for every row."""
     knobs = rows.knobs
     logits = raw_logits = out.logits
-    if batch.max_top_k > 0 or batch.any_top_p:
+    shard = out.vocab  # a tensor-parallel rank's columns (engine/decoding/vocab_parallel.py)
+    if shard is not None and batch.any_top_p:  # top_p sorts the whole vocabulary
+        logits = raw_logits = shard.gather(logits)
+        shard = None
+    if shard is not None and batch.max_top_k > 0:
+        logits = V.filter_top_k(logits, shard, knobs["top_k"], batch.max_top_k)
+    elif batch.max_top_k > 0 or batch.any_top_p:
         logits = filter_top_k_top_p(logits, knobs["top_k"], knobs["top_p"], max_top_k=batch.max_top_k,
                                     any_top_p=batch.any_top_p)
     if batch.any_min_p:
-        logits = filter_min_p(logits, knobs["min_p"])
+        min_p = knobs["min_p"]
+        logits = filter_min_p(logits, min_p) if shard is None else V.filter_min_p(logits, shard, min_p)
     policy = knobs["policy"]
     editing = [name for name in batch.policies if POLICIES[name].edits]
-    x0, unmasked = predict(logits, batch.sampled, mask_id,
-                           mask_rows=policy_rows(policy, editing) if editing else None)
+    mask_rows = policy_rows(policy, editing) if editing else None
     kinds: dict[int, list[str]] = {}
     for name in batch.policies:
         kinds.setdefault(POLICIES[name].conf_kind, []).append(name)
-    conf = confidence(logits, x0, {kind: policy_rows(policy, names) for kind, names in kinds.items()
-                                   if kind != CONF_PROB})
+    rows_by_kind = {kind: policy_rows(policy, names) for kind, names in kinds.items() if kind != CONF_PROB}
+    if shard is None:
+        x0, unmasked = predict(logits, batch.sampled, mask_id, mask_rows=mask_rows)
+        conf = confidence(logits, x0, rows_by_kind)
+    else:
+        x0, unmasked, conf = V.predict_and_confidence(logits, shard, batch.sampled, mask_id, mask_rows, rows_by_kind)
     block_tokens, in_block = out.block_tokens, out.in_block
     width = block_tokens.shape[1]
     position = torch.arange(width, device=conf.device)
@@ -80,7 +91,10 @@ def decide_masks(batch: Batch, rows: RowTables, out: ForwardOutput, end_ids: tor
               "band_high": high.sum(dim=1), "band_low": low.sum(dim=1), "grinding_exit": decision.grinding_exit,
               "end_pos": end_pos, "first_undecided": first_undecided, "edited": edit.sum(dim=1),
               "end_committed": (committed & is_end).sum(dim=1)}
-    logprobs = token_logprobs(raw_logits, tokens, batch.logprob_k) if batch.logprob_k >= 0 else None
+    logprobs = None
+    if batch.logprob_k >= 0:
+        logprobs = (token_logprobs(raw_logits, tokens, batch.logprob_k) if shard is None
+                    else V.token_logprobs(raw_logits, shard, tokens, batch.logprob_k))
     state = {}
     if decision.state is not None:  # a forward that commits nothing is no step: its rows keep their state
         step = batch.commits > 0

@@ -28,6 +28,7 @@ MODES: dict[str, type[DecodingMode]] = {mode.name: mode for mode in (MaskedDiffu
 class ModelRunner:
     def __init__(self, mode: DecodingMode, slots: Slots) -> None:
         self.slots = slots
+        self.model = mode.model
         self.forwards = mode.forwards  # plan kind -> forward: the one table the runner dispatches through
         self.device = slots.device
 
@@ -41,11 +42,14 @@ class ModelRunner:
         groups: dict[tuple, list[int]] = {}
         for b, plan in enumerate(batch.plans):
             groups.setdefault(plan.group, []).append(b)
-        if len(groups) == 1:
-            logits = self.forwards[batch.plans[0].kind](batch, width)
-        else:  # one forward per group, the logits put back in row order
-            parts = [self.forwards[batch.plans[index[0]].kind](batch.rows(index), width) for index in groups.values()]
-            order = [b for index in groups.values() for b in index]
-            inverse = to_device(torch.tensor(sorted(range(len(order)), key=order.__getitem__)), self.device)
-            logits = torch.cat(parts).index_select(0, inverse)
-        return ForwardOutput(logits.float(), block_tokens, in_block, positions)
+        # a tensor-parallel rank keeps its vocabulary shard's logits: the decide step reduces them
+        with self.model.local_logits() as vocab:
+            if len(groups) == 1:
+                logits = self.forwards[batch.plans[0].kind](batch, width)
+            else:  # one forward per group, the logits put back in row order
+                parts = [self.forwards[batch.plans[index[0]].kind](batch.rows(index), width)
+                         for index in groups.values()]
+                order = [b for index in groups.values() for b in index]
+                inverse = to_device(torch.tensor(sorted(range(len(order)), key=order.__getitem__)), self.device)
+                logits = torch.cat(parts).index_select(0, inverse)
+        return ForwardOutput(logits.float(), block_tokens, in_block, positions, vocab)

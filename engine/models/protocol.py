@@ -5,6 +5,7 @@ forwards; everything else reads only this."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any, ClassVar, Optional, Protocol
 
 import torch
@@ -12,7 +13,7 @@ import torch
 from engine.models.attention import AttentionFn
 from engine.models.config import ModelConfig
 from engine.models.kv_cache import SlotStore
-from engine.models.parallel.group import TensorParallel
+from engine.models.parallel.group import TensorParallel, VocabShard
 from engine.special_tokens import SpecialTokens
 
 
@@ -50,3 +51,7 @@ class DiffusionModel(Protocol):
 
     def new_cache(self, slots: int, width: int) -> SlotStore:
         """An empty cache for `slots` rows of `width` positions."""
+
+    def local_logits(self) -> AbstractContextManager[Optional[VocabShard]]:
+        """Forwards inside it return a tensor-parallel rank's vocabulary shard (yielded; None: the
+        whole vocabulary) for the decide step to reduce (engine/decoding/vocab_parallel.py)."""

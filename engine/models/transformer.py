@@ -11,6 +11,8 @@ mask and the cache their forwards build (`block_transformer.py`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar, Optional
 
 import torch
@@ -21,7 +23,7 @@ from engine.models.config import ModelConfig
 from engine.models.kv_cache import CacheWrite, KVStore
 from engine.models.layers import Attention, Positions, RotaryEmbedding, SwiGLU, make_norm, select_positions
 from engine.models.moe import SparseMoe
-from engine.models.parallel.group import SINGLE, TensorParallel
+from engine.models.parallel.group import SINGLE, TensorParallel, VocabShard
 from engine.special_tokens import SpecialTokens
 
 
@@ -82,6 +84,7 @@ class DiffusionTransformer(nn.Module):
         self.norm = make_norm(config.hidden_size, config)
         self.lm_head = nn.Linear(config.hidden_size, padded, bias=False)
         self.lm_head.tp_split = "vocab"
+        self._gather_logits = True  # False inside `local_logits`
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 
@@ -201,13 +204,31 @@ class DiffusionTransformer(nn.Module):
         x = self.embed.forward(local.masked_fill(elsewhere, 0)).masked_fill(elsewhere[..., None], 0)
         return self.tp.all_reduce(x)
 
+    @contextmanager
+    def local_logits(self) -> Iterator[Optional[VocabShard]]:
+        """Inside it, a tensor-parallel rank's forwards return its vocabulary shard's logits, padding
+        columns -inf (engine/decoding/vocab_parallel.py decides on them); yields the shard (None on one
+        device, whose logits are whole)."""
+        if self.tp.size == 1:
+            yield None
+            return
+        self._gather_logits = False
+        try:
+            yield VocabShard(self.tp, self.vocab_start, self.vocab_rows, self.config.vocab_size)
+        finally:
+            self._gather_logits = True
+
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Logits [..., vocab]: on a tensor-parallel rank, every rank's shard gathered in rank order,
-        whose real rows come first (only the last shards hold padding), the padding cut."""
+        whose real rows come first (only the last shards hold padding), the padding cut; inside
+        `local_logits`, the rank's own shard."""
         logits = self.lm_head.forward(x)
         if self.tp.size == 1:
             return logits
-        return self.tp.all_gather_last(logits)[..., :self.config.vocab_size]
+        if not self._gather_logits:
+            padding = torch.arange(logits.shape[-1], device=logits.device) >= self.vocab_rows
+            return logits.masked_fill(padding, float("-inf"))
+        return VocabShard(self.tp, self.vocab_start, self.vocab_rows, self.config.vocab_size).gather(logits)
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

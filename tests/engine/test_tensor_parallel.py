@@ -204,7 +204,8 @@ def _restored_prefill(result: Any, resolved: Resolved) -> int:
 
 def _workload(family: Family) -> list[tuple[list[int], DecodeParams]]:
     """More requests than rows, one per decoding policy the family takes, across its caches, with
-    seeded sampling, logprobs and (LLaDA) guidance on some."""
+    seeded sampling, logprobs, top-k, min-p, top-p (the one filter that gathers the logits) and
+    (LLaDA) guidance on some."""
     block = family.name in ("sdar", "llada2")
     if block:
         policies = [name for name, p in POLICIES.items() if BLOCK in p.modes]
@@ -218,6 +219,8 @@ def _workload(family: Family) -> list[tuple[list[int], DecodeParams]]:
                               block_length=4 if block or i % 2 else 8, threshold=0.5,
                               logprobs=2 if i % 3 == 0 else None,
                               temperature=0.7 if i == 4 else 0.0, seed=i, ignore_eos=True,
+                              top_k=3 if i % 4 == 1 else 0, min_p=0.05 if i % 5 == 2 else 0.0,
+                              top_p=0.9 if i == 6 else 1.0,
                               cfg_scale=1.0 if i == 3 and family.name == "llada" else 0.0)
         if policy.startswith("dream-"):
             params = params.with_overrides(block_length=None, cache="none")

@@ -19,6 +19,18 @@ import torch
 import torch.distributed as dist
 
 
+class WireCount:
+    """Bytes each rank received from its peers in this process's collectives, for tests and benchmarks:
+    an all-gather's peers' parts, an all-reduce's peers' tensors (what a naive exchange moves; NCCL's
+    ring moves about twice as much as the tensor whatever the size)."""
+
+    bytes = 0
+
+    @classmethod
+    def add(cls, x: torch.Tensor, size: int) -> None:
+        cls.bytes += (size - 1) * x.numel() * x.element_size()
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     rank: int = 0
@@ -31,16 +43,24 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `x` (in place), identical on every rank."""
         if self.size > 1:
+            WireCount.add(x, self.size)
             dist.all_reduce(x)
         return x
+
+    def all_gather_stack(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x`, stacked in rank order: [size, *x.shape]."""
+        if self.size == 1:
+            return x[None]
+        WireCount.add(x, self.size)
+        out = x.new_empty(self.size, x.numel())
+        dist.all_gather_single(out, x.reshape(1, -1))
+        return out.view(self.size, *x.shape)
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x` [..., n] side by side along the last dimension, rank order: [..., size * n]."""
         if self.size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts, dim=-1)
+        return torch.cat(tuple(self.all_gather_stack(x)), dim=-1)
 
     def split(self, total: int) -> tuple[int, int]:
         """(start, count) of this rank's even share of `total` items (heads, rows, experts); the
@@ -66,3 +86,18 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """A rank's columns of vocabulary-parallel logits: ids [start, start + real) of `vocab_size`, then
+    padding up to the width every rank holds (engine/decoding/vocab_parallel.py decides on them)."""
+
+    tp: TensorParallel
+    start: int
+    real: int
+    vocab_size: int
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """The whole vocabulary's logits [..., vocab_size] from every rank's shard."""
+        return self.tp.all_gather_last(local)[..., :self.vocab_size]
