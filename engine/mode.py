@@ -48,6 +48,9 @@ class DecodingMode:
     prefix_caching: ClassVar[bool] = False
     slots_class: ClassVar[type[Slots]] = Slots  # the owner of its slot state
     confidence_bands: ClassVar[bool] = True  # a block's first-step confidence bands mean something
+    # every request draws random numbers, greedy ones too (uniform noise: its canvases start random),
+    # so a tensor-parallel group gives an unseeded one a seed (engine.executor.tensor_parallel)
+    draws_when_greedy: ClassVar[bool] = False
 
     def __init__(self, model: DiffusionModel, slots: Slots, static: Optional[str] = None) -> None:
         """`static`: how the mode's cached forwards run on static buffers, one of

@@ -57,6 +57,7 @@ class UniformDiffusion(DecodingMode):
     prefix_caching = True  # the causal encoder's keys of a prompt's blocks (module docstring)
     slots_class = UniformSlots
     confidence_bands = False
+    draws_when_greedy = True  # the initial canvas and the renoise tokens, at any temperature
     slots: UniformSlots
 
     def __init__(self, model: Any, slots: UniformSlots, static: Optional[str] = None) -> None:

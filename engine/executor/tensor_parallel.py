@@ -13,7 +13,9 @@ them. Rank 0 forwards each call that changes state, in order, as one message on 
 - a scoring chunk (`ReplicatedScoringJob.advance`) and `collective_rpc` calls.
 
 Sampling: a request that samples without a seed gets one drawn on rank 0 before it is forwarded,
-so every rank's generator draws alike; a seeded request gives the same tokens at any N.
+so every rank's generator draws alike; a seeded request gives the same tokens at any N. A mode
+that draws whatever the temperature (uniform noise: DiffusionGemma's random canvases and renoise
+tokens, `DecodingMode.draws_when_greedy`) gets one for a greedy request too.
 
 A failed step cannot be resynchronised (a rank may be inside a collective the others left), so in
 a group it is a fault, as a worker that dies or hangs is (`engine.executor.launch`).
@@ -139,11 +141,11 @@ class TensorParallelEngine(Engine):
         return ReplicatingScheduler(self.max_batch, self.model.device, self.slots.move, self.workers)
 
     def submit(self, resolved: Resolved, request_id: Optional[str] = None, queued_at: Optional[float] = None) -> str:
-        """A request that samples without a seed gets one drawn here, on rank 0, before it is
-        forwarded: every rank's generator must draw alike (drawn per submission: each of a
-        request's `n` choices samples its own)."""
+        """A request that samples (or whose mode draws even when greedy) without a seed gets one
+        drawn here, on rank 0, before it is forwarded: every rank's generator must draw alike
+        (drawn per submission: each of a request's `n` choices samples its own)."""
         params = resolved.params
-        if params.temperature > 0 and params.seed is None:
+        if params.seed is None and (params.temperature > 0 or self.mode.draws_when_greedy):
             params = replace(params, seed=random.SystemRandom().getrandbits(_SEED_BITS))
             resolved = replace(resolved, params=params)
         return super().submit(resolved, request_id, queued_at)

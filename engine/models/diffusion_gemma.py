@@ -18,18 +18,27 @@ left-padded with `attention_mask` as the official processor pads it (pads take p
 columns and are never attended to). The vision tower's weights are recognised and skipped: this
 model reads token ids only (image inputs are refused before they reach it).
 Attention always runs through SDPA (scale 1.0, windowed masks): the loader's kernel choice is not used.
+
+Tensor parallelism (`tp`): the layers are split as `gemma4_layers` says (query heads, KV heads or
+their replicas, the dense MLP, the routed experts), the self-conditioning MLP like a dense MLP, and
+each rank's cache holds its KV heads only. The vocabulary is NOT split: the embedding and the tied
+head are whole on every rank, which computes the full logits from the same hidden states (no
+collective on the logits); the decoder's step needs every logit anyway (it samples, tempers and
+soft-embeds the whole vocabulary at every canvas position), and the soft embeddings read the whole
+embedding matrix.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, ClassVar, Optional
 
 import torch
 from torch import nn
 
-from engine.errors import CheckpointError, TensorParallelError
+from engine.errors import CheckpointError
 from engine.models.attention import AttentionFn
 from engine.models.config import ModelConfig
 from engine.models.config_parsing import config_errors, hf_sizes, refuse_unsupported
@@ -40,6 +49,7 @@ from engine.models.gemma4_ops import KindRotaryEmbedding, rms_norm_unweighted
 from engine.models.layers import Float32ScaleRMSNorm
 from engine.models.moe import MOE_KERNELS, GroupedExperts
 from engine.models.parallel.group import SINGLE, TensorParallel
+from engine.models.parallel.sharding import check_divisible
 from engine.models.transformer import check_input_ids
 from engine.special_tokens import SpecialTokens
 
@@ -53,11 +63,11 @@ _ACTIVATION = "gelu_pytorch_tanh"
 class SelfConditioning(nn.Module):
     """RMSNorm_noweight(embeds + down(gelu_tanh(gate n)·up n)) with n = pre_norm(soft embeddings)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, eps: float, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.eps = eps
         self.pre_norm = Float32ScaleRMSNorm(hidden_size, eps)
-        self.mlp = GeluMlp(hidden_size, intermediate_size)
+        self.mlp = GeluMlp(hidden_size, intermediate_size, tp)
 
     def forward(self, embeds: torch.Tensor, soft: Optional[torch.Tensor]) -> torch.Tensor:
         if soft is not None:
@@ -75,11 +85,9 @@ class DiffusionGemmaModel(nn.Module):
         super().__init__()
         if config.gemma is None:
             raise ValueError("a DiffusionGemma model needs ModelConfig.gemma")
-        if tp.size > 1:
-            raise TensorParallelError(f"{self.display_name} runs on one device: --tensor-parallel-size "
-                                      f"{tp.size} is not supported for it yet (docs/operations.md, 'Several GPUs')")
+        check_divisible(config, tp.size)
         self.tp = tp
-        self.vocab_start, self.vocab_rows, _ = tp.padded_split(config.vocab_size)  # the whole vocabulary
+        self.vocab_start, self.vocab_rows = 0, config.vocab_size  # whole on every rank (module docstring)
         self.config = config
         self.special = special  # None only where a checkpoint's ids are not needed (inspect)
         self.hf_config = dict(hf_config or {})
@@ -87,12 +95,12 @@ class DiffusionGemmaModel(nn.Module):
         self.quantization = "none"
         self.quantized_head = False
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Gemma4Layer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(Gemma4Layer(config, i, tp) for i in range(config.num_layers))
         self.norm = Float32ScaleRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.lm_head.weight = self.embed.weight
         self.self_conditioning = SelfConditioning(config.hidden_size, config.intermediate_size,
-                                                  config.rms_norm_eps)
+                                                  config.rms_norm_eps, tp)
         # no tensors of their own (RotaryEmbedding keeps its frequencies outside the buffers)
         self._rotary = {SLIDING: KindRotaryEmbedding(config.gemma.sliding),
                         FULL: KindRotaryEmbedding(config.gemma.full)}
@@ -173,8 +181,13 @@ class DiffusionGemmaModel(nn.Module):
             experts.kernel = name
 
     def new_cache(self, slots: int, width: int) -> Gemma4Cache:
-        """An empty cache for `slots` rows whose full layers hold `width` positions."""
-        return Gemma4Cache.empty(self.gemma, slots, width, self.dtype, self.device)
+        """An empty cache for `slots` rows whose full layers hold `width` positions (of this rank's
+        KV heads: the layers' own counts, `Gemma4Attention.num_kv_heads`)."""
+        gemma = self.gemma
+        local = {kind: replace(spec, num_kv_heads=self.tp.kv_split(spec.num_kv_heads)[1])
+                 for kind, spec in ((SLIDING, gemma.sliding), (FULL, gemma.full))}
+        spec = replace(gemma, sliding=local[SLIDING], full=local[FULL])
+        return Gemma4Cache.empty(spec, slots, width, self.dtype, self.device)
 
     def embed_scale(self) -> torch.Tensor:
         """√hidden as the official float32 buffer, cast to the weight dtype at use (so rounded in bf16):

@@ -14,6 +14,7 @@ itself is still called normally. A linear layer may be a quantized library modul
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Optional, Union
 
 import torch
@@ -201,11 +202,14 @@ class Attention(nn.Module):
 
 class SwiGLU(nn.Module):
     """The gated MLP over this rank's share of the intermediate width: gate|up column-parallel,
-    down row-parallel, one all-reduce (`partial` leaves it to a caller that sums more first)."""
+    down row-parallel, one all-reduce (`partial` leaves it to a caller that sums more first).
+    `activation` gates it: SiLU (SwiGLU), or tanh-GELU (Gemma4's GeGLU, `gemma4_layers.GeluMlp`)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TensorParallel = SINGLE,
+                 activation: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> None:
         super().__init__()
         self.tp = tp
+        self.activation = activation
         self.intermediate_size = intermediate_size // tp.size
         self.gate_up_proj = FusedLinear(hidden_size, {"gate": self.intermediate_size, "up": self.intermediate_size},
                                         bias=False)
@@ -216,7 +220,7 @@ class SwiGLU(nn.Module):
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's term of the output (the output itself on one device)."""
         gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
-        return self.down_proj.forward(F.silu(gate) * up)
+        return self.down_proj.forward(self.activation(gate) * up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.partial(x))

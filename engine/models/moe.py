@@ -104,7 +104,8 @@ class GroupedExperts(nn.Module):
       (`{e}.gate`, `{e}`), so the loader fills this rank's experts and skips the others'
       (`engine.models.parallel.sharding`); quantized through `quantize`;
     - `stacked` (Gemma4): the checkpoint's two 3-D tensors `gate_up_proj` [E, 2I, H] and
-      `down_proj` [E, H, I], the same memory order; they stay in the model dtype under quantization."""
+      `down_proj` [E, H, I], the same memory order (a rank reads its experts' rows of the first
+      dimension); they stay in the model dtype under quantization."""
 
     # quantization (engine.quantization) goes through `quantize`, which splits the stacked weights
     # into one linear pair per expert: neither library's weight can be viewed as [experts, rows, cols]
@@ -126,6 +127,7 @@ class GroupedExperts(nn.Module):
             self.quantizes_itself = False
             self.gate_up_proj = nn.Parameter(torch.empty(self.local, 2 * intermediate_size, hidden_size))
             self.down_proj = nn.Parameter(torch.empty(self.local, hidden_size, intermediate_size))
+            self.tp_split = "experts"  # the stacked tensors' rows [first, first + local) (sharding.source_slices)
         else:
             ids = range(first, first + self.local)
             self.gate_up_proj = FusedLinear(

@@ -1,14 +1,15 @@
 """What a tensor-parallel group may split, and which slice of each checkpoint tensor a rank loads.
 
-A layer marks each linear layer it shards with `tp_split` (engine.models.layers, moe, transformer):
+A layer marks each linear layer it shards with `tp_split` (engine.models.layers, moe, transformer,
+gemma4_layers):
 
 | tp_split | layers | the rank holds |
 |---|---|---|
 | "out" | q|k|v, gate|up (dense MLP, shared expert) | its share of each fused part's output rows (k, v: *) |
 | "in" | attention output, down (dense MLP, shared expert) | its share of the input columns |
 | "vocab" | embedding, output head | rows [start, start + real) of the vocabulary, padded |
-| "experts" | the routed experts' stacked weights | its experts, whole (the others' are skipped) |
-| (none) | norms, router, expert bias | everything (replicated) |
+| "experts" | the routed experts' weights (a tensor each, or stacked) | its experts, whole (none of the others') |
+| (none) | norms, router, expert bias; DiffusionGemma's embedding and tied head | everything (replicated) |
 
 * past the KV heads' count (a size that is a multiple of them), each rank loads the rows of the one
 KV head its query heads read (`TensorParallel.kv_split`; the layer's `tp_sources`).
@@ -32,37 +33,52 @@ from engine.models.parallel.group import TensorParallel
 Span = tuple[int, int]  # (start, count)
 
 
+def kv_head_counts(config: ModelConfig) -> dict[str, int]:
+    """The model's KV head counts by what a user would call them: one, or DiffusionGemma's sliding
+    and full layers' each (the full layers have fewer: the tiny format has one)."""
+    gemma = config.gemma
+    if gemma is None:
+        return {"KV heads": config.num_kv_heads}
+    return {"sliding-layer KV heads": gemma.sliding.num_kv_heads, "full-layer KV heads": gemma.full.num_kv_heads}
+
+
 def divisible_sizes(config: ModelConfig, size: int = 1) -> dict[str, int]:
-    """Every count a tensor-parallel `size` must divide, by what a user would call it (the KV heads
+    """Every count a tensor-parallel `size` must divide, by what a user would call it (KV heads
     only where the size is not a multiple of them: then each is replicated, `TensorParallel.kv_split`)."""
     sizes = {"attention heads": config.num_heads}
-    if size % config.num_kv_heads:
-        sizes["KV heads"] = config.num_kv_heads
+    sizes.update((what, count) for what, count in kv_head_counts(config).items() if size % count)
+    return {**sizes, **_split_sizes(config)}
+
+
+def _split_sizes(config: ModelConfig) -> dict[str, int]:
+    """The counts other than the heads that a size must divide: MLP widths and routed experts."""
+    sizes = {}
     moe = config.moe
-    if moe is None or moe.first_dense_layers > 0:
+    if moe is None or moe.first_dense_layers > 0:  # DiffusionGemma: its dense and self-conditioning MLPs
         sizes["MLP intermediate size"] = config.intermediate_size
     if moe is not None:
         sizes["routed experts"] = moe.num_experts
         if moe.num_shared_experts:
             sizes["shared expert intermediate size"] = moe.expert_intermediate_size * moe.num_shared_experts
+    if config.gemma is not None:
+        sizes["routed experts"] = config.gemma.num_experts
     return sizes
 
 
 def check_divisible(config: ModelConfig, size: int) -> None:
-    """TensorParallelError, naming both numbers, unless `size` ranks can split this model evenly.
-    The vocabulary need not divide: its last shard is padded (`TensorParallel.padded_split`)."""
+    """TensorParallelError, naming both numbers and both rules, unless `size` ranks can split this
+    model evenly. The vocabulary need not divide: its last shard is padded
+    (`TensorParallel.padded_split`), or it is whole on every rank (DiffusionGemma)."""
     if size < 1:
         raise TensorParallelError(f"--tensor-parallel-size must be at least 1, got {size}")
     for what, count in divisible_sizes(config, size).items():
         if count % size:
+            listing = ", ".join(f"{n} {name}" for name, n in {"attention heads": config.num_heads,
+                                                                **_split_sizes(config)}.items())
+            kv = " and its ".join(f"{n} {name}" for name, n in kv_head_counts(config).items())
             raise TensorParallelError(f"--tensor-parallel-size {size} does not divide the model's {count} {what}; "
-                                      f"use a size that divides every one of {_listing(config)}, and divides "
-                                      f"or is a multiple of its {config.num_kv_heads} KV heads (each KV head "
-                                      f"then replicated)")
-
-
-def _listing(config: ModelConfig) -> str:
-    return ", ".join(f"{count} {what}" for what, count in divisible_sizes(config, config.num_kv_heads).items())
+                                      f"use a size that divides every one of {listing}, and divides or is a "
+                                      f"multiple of its {kv} (each KV head then replicated)")
 
 
 @dataclass(frozen=True)
@@ -82,6 +98,9 @@ def source_slices(module: nn.Module, param_shape: tuple[int, ...], shard: Option
     split = getattr(module, "tp_split", None)
     offsets: dict[str, Span] = getattr(module, "shard_offsets", {})
     tail = param_shape[1:]
+    if split == "experts" and not offsets:  # stacked [experts, ...] (Gemma4): this rank's experts' rows
+        first, local, total = module.first, module.local, module.num_experts
+        return (total, *tail), [SliceRead(None if local == total else (first, local), None, None)]
     if split == "experts":
         if shard not in offsets:  # another rank's expert: the same shape as one of ours
             return (next(iter(offsets.values()))[1], *tail), []
