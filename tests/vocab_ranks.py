@@ -12,8 +12,15 @@ import torch
 import torch.distributed as dist
 
 from engine.decoding import vocab_parallel as V
-from engine.decoding.sampling import (CONF_MARGIN, CONF_NEG_ENTROPY, confidence, filter_min_p, filter_top_k_top_p,
-                                      predict, token_logprobs)
+from engine.decoding.sampling import (
+    CONF_MARGIN,
+    CONF_NEG_ENTROPY,
+    confidence,
+    filter_min_p,
+    filter_top_k_top_p,
+    predict,
+    token_logprobs,
+)
 from engine.models.parallel.group import TensorParallel, VocabShard, WireCount
 
 

@@ -31,7 +31,8 @@ embedding matrix.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, ClassVar, Optional
 
@@ -48,7 +49,7 @@ from engine.models.gemma4_layers import GeluMlp, Gemma4Layer, Rope
 from engine.models.gemma4_ops import KindRotaryEmbedding, rms_norm_unweighted
 from engine.models.layers import Float32ScaleRMSNorm
 from engine.models.moe import MOE_KERNELS, GroupedExperts
-from engine.models.parallel.group import SINGLE, TensorParallel
+from engine.models.parallel.group import SINGLE, TensorParallel, VocabShard
 from engine.models.parallel.sharding import check_divisible
 from engine.models.transformer import check_input_ids
 from engine.special_tokens import SpecialTokens
@@ -179,6 +180,11 @@ class DiffusionGemmaModel(nn.Module):
         for layer in self.layers:
             experts: GroupedExperts = layer.experts
             experts.kernel = name
+
+    @contextmanager
+    def local_logits(self) -> Iterator[Optional[VocabShard]]:
+        """Every rank holds the whole vocabulary (its embedding is the head): the logits are whole."""
+        yield None
 
     def new_cache(self, slots: int, width: int) -> Gemma4Cache:
         """An empty cache for `slots` rows whose full layers hold `width` positions (of this rank's
