@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # in this order: a phase stopped by its budget keeps what ran first (the quantized models' CPU references
 # are the slowest part)
 CUDA_TEST_FILES = ("tests/engine/test_cuda_models.py", "tests/engine/test_cuda_uniform.py",
-                   "tests/engine/test_dual_graphs.py", "tests/engine/test_cuda_quantization.py")
+                   "tests/engine/test_static_dual_forward.py", "tests/engine/test_cuda_quantization.py")
 PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "triton", "torchao", "bitsandbytes",
             "flash_attn")
 # Per-phase budgets on a GPU (seconds), inside the whole check's: measured phases are short of them by

@@ -80,8 +80,8 @@ def _decode(engine: Engine, prompts: Sequence[tuple[int, ...]], params: DecodePa
 
 
 def _captured(engine: Engine) -> int:
-    graphs = getattr(engine.mode, "dual_graphs", None)
-    return 0 if graphs is None else graphs.captured
+    static = getattr(engine.mode, "static_forwards", None)
+    return 0 if static is None or static.how != "graph" else static.made
 
 
 def run_batch(model: Any, name: str, prompts: list[tuple[int, ...]], params: DecodeParams, graph_modes: list[bool],

@@ -1,6 +1,8 @@
-"""Offline generated tokens/s of the block-diffusion cached step three ways, in one run: the ordinary
-(packed) forward, the static forward run eagerly, and the static forward compiled with
-torch.compile(fullgraph=True) (`EngineConfig.torch_compile`, engine/static_forward.py).
+"""Offline generated tokens/s of a cached step three ways, in one run: the ordinary (packed) forward,
+the static forward run eagerly, and the static forward compiled with torch.compile(fullgraph=True)
+(`EngineConfig.torch_compile`, engine/static_forward.py): the block-diffusion cached step
+(sdar-tiny, the default) or the masked dual-cache step (`--model models/llada-tiny --policies
+'threshold 0.9 dual'`).
 
 The same held-out chat problems, decoding and threads for each; runs alternated between the three
 engines, so a slow phase of a shared machine hits each at random; ratios of the medians against the
@@ -10,6 +12,8 @@ tokens are the response tokens (before the end token); accuracy is exact match, 
 grader; "identical" counts the texts equal to the ordinary forward's.
 
     python bench/static_step.py --n 64 --batch 8 --repeats 3 > bench/results/static_step_cpu.txt
+    python bench/static_step.py --model models/llada-tiny --policies 'threshold 0.9 dual' 'cai dual' \
+        --n 64 --batch 8 --repeats 3 > bench/results/static_step_llada_cpu.txt
 """
 
 from __future__ import annotations
@@ -35,7 +39,12 @@ from tinymodels.tasks import answer_of  # noqa: E402
 
 POLICIES = {"block-static": DecodeParams(policy="block-static"),
             "block-dynamic 0.9": DecodeParams(policy="block-dynamic", threshold=0.9),
-            "cai": DecodeParams(policy="cai")}
+            "cai": DecodeParams(policy="cai"),
+            # bench/offline_vs_baseline.py's masked dual-cache configurations
+            "threshold 0.9 dual": DecodeParams(policy="threshold", threshold=0.9, gen_length=128, block_length=32,
+                                               steps=128, cache="dual", refresh_interval=16),
+            "cai dual": DecodeParams(policy="cai", gen_length=128, block_length=32, steps=128, cache="dual",
+                                     refresh_interval=16)}
 ENGINES = ("ordinary", "static", "compiled")
 
 
@@ -47,7 +56,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--policies", nargs="+", choices=tuple(POLICIES), default=list(POLICIES))
+    parser.add_argument("--policies", nargs="+", choices=tuple(POLICIES),
+                        default=["block-static", "block-dynamic 0.9", "cai"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model), load_tokenizer(args.model)
@@ -56,8 +66,11 @@ def main() -> None:
     print(f"# {platform.machine()}, {args.threads} threads, CPU, {model.dtype}; {Path(args.model).name}, "
           f"{args.n} held-out chat problems (seed {args.seed}), batch {args.batch}; runs alternated, "
           f"{args.repeats} each; torch {torch.__version__}")
-    print(f"# command: python bench/static_step.py --n {args.n} --seed {args.seed} --batch {args.batch} "
-          f"--repeats {args.repeats} --threads {args.threads} --policies {' '.join(repr(p) for p in args.policies)}")
+    model_dir = Path(args.model).resolve()
+    shown = model_dir.relative_to(REPO) if model_dir.is_relative_to(REPO) else model_dir
+    print(f"# command: python bench/static_step.py --model {shown} --n {args.n} --seed {args.seed} "
+          f"--batch {args.batch} --repeats {args.repeats} --threads {args.threads} "
+          f"--policies {' '.join(repr(p) for p in args.policies)}")
     print(f"{'policy':18} {'forward':9} {'tok/s runs':24} {'median':>7} {'x ordinary':>10} {'accuracy':>8} "
           f"{'identical':>9}")
     for name in args.policies:
@@ -66,8 +79,8 @@ def main() -> None:
                    "static": Engine.from_model(model, tokenizer, max_batch=args.batch),
                    "compiled": Engine.from_model(model, tokenizer, max_batch=args.batch, torch_compile=True)}
         # the static forward run eagerly: the compiled engine's, without the compile
-        block_mode = engines["static"].mode
-        block_mode.static_forwards = StaticForwards(block_mode._static_run, "eager", args.batch, model.device)
+        mode = engines["static"].mode
+        mode.static_forwards = StaticForwards(mode._static_run, "eager", args.batch, model.device)
         torch._dynamo.reset()
         began = time.perf_counter()
         engines["compiled"].generate(prompts, params)

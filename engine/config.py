@@ -19,7 +19,7 @@ class EngineConfig:
     max_batch: int = 8  # rows decoded together in one step
     use_flash_attn: Optional[bool] = None  # None: when installed and usable
     max_model_len: Optional[int] = None  # prompt + canvas; None: the model's context
-    # run the dual-cache step as CUDA graphs, one per batch bucket (engine.dual_graphs); CUDA only.
+    # run the cached steps as CUDA graphs, one per batch bucket and shape (engine.static_forward); CUDA only.
     # None: on for CUDA at tensor_parallel_size 1 (vLLM captures graphs unless --enforce-eager; the H200
     # check measured the same tokens, docs/performance.md), off elsewhere
     cuda_graphs: Optional[bool] = None

@@ -8,19 +8,23 @@ Each row takes part in exactly one forward per step:
   Dream also feeds the position before the block, whose output predicts the block's first token.
   These write the fed positions into the rows' slots and attend over their caches in place: the
   forward runs over the rows' span of slots, a view of the store (engine/batch.py, `Batch.spread`).
-Rows of one kind share a forward. The dual forward may run on static buffers captured as CUDA graphs
-(`engine.dual_graphs`).
+Rows of one kind share a forward.
+
+On static buffers (`EngineConfig.static_forwards`: CUDA graphs, or torch.compile), the dual forward
+runs over slots [0, bucket) (`engine.static_forward`): a slot that takes no part feeds masks that
+write only the store's last column, which no row attends (every canvas is shorter than the store);
+its attention spans a power-of-two number of columns (one shape for every canvas up to it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Optional
 
 import torch
 
 from engine.batch import Batch, RowPlan
 from engine.decoding.params import DecodeParams
-from engine.dual_graphs import DualStepGraphs
 from engine.host_copy import to_device
 from engine.mode import DecodingMode, ForwardFn
 from engine.models.kv_cache import CacheWrite
@@ -28,6 +32,7 @@ from engine.models.packing import PackedTokens
 from engine.models.transformer import DiffusionTransformer
 from engine.request import Geometry, Request
 from engine.slots import Slots
+from engine.static_forward import Buffer, StaticForwards
 
 FULL, DUAL, PREFIX = "full", "dual", "prefix"
 
@@ -39,8 +44,8 @@ class MaskedDiffusion(DecodingMode):
 
     def __init__(self, model: DiffusionTransformer, slots: Slots, static: Optional[str] = None) -> None:
         super().__init__(model, slots, static)
-        # the dual-cache forward on static buffers, captured as CUDA graphs (engine.dual_graphs)
-        self.dual_graphs = DualStepGraphs(model, slots.canvas.shape[0], capture=True) if static == "graph" else None
+        self.static_forwards = None if static is None else StaticForwards(
+            self._static_run, static, slots.canvas.shape[0], model.device)
         self.shift = 1 if model.logits_shifted else 0  # Dream: output i-1 predicts token i
 
     @property
@@ -118,11 +123,8 @@ class MaskedDiffusion(DecodingMode):
         # query j of a row is its block's position j (past its block: a position never read)
         p = self.slots.positions[None, :width]
         queries = torch.where(p < rows.block_length[:, None], p, 0)
-        if self.dual_graphs is not None and not through_end:
-            # the store's last column is past every canvas: the static forward's scratch column
-            ids, positions, write_index = self._cached_inputs(rows, query_length, store.width - 1, through_end)
-            return self.dual_graphs.forward(store, rows.slots, max(r.slot for r in requests), ids, positions,
-                                            write_index, queries)
+        if self.static_forwards is not None and not through_end:
+            return self._static(rows, query_length, queries)
         # Attention spans the step's longest canvas; query-only positions write to the column past
         # it, which no row attends (the store is wider: not read here). The forward runs over the
         # rows' span of slots, a view of the store; a slot in it that runs another forward this step
@@ -138,6 +140,34 @@ class MaskedDiffusion(DecodingMode):
         logits = self.model(rows.spread(ids, self.mask_id), position_ids=rows.spread(positions, 0), cache=cache,
                             logits_at=rows.spread(queries, 0))
         return rows.gather(logits)
+
+    def _static(self, rows: Batch, query_length: int, queries: torch.Tensor) -> torch.Tensor:
+        """The dual forward on static buffers, keyed by (bucket, query length, columns attended,
+        logits width): the columns a power of two, within the store short of its last column (the
+        scratch column of idle slots)."""
+        assert self.static_forwards is not None
+        store = self.slots.store
+        ids, positions, write_index = self._cached_inputs(rows, query_length, store.width - 1, through_end=False)
+        longest = max(r.length for r in rows.requests)
+        columns = min(1 << (longest - 1).bit_length(), store.width - 1)
+        key = (self.static_forwards.bucket(rows.requests[-1].slot), query_length, columns, queries.shape[1])
+        inputs = {"ids": ids, "positions": positions, "write_index": write_index, "at": queries}
+        return self.static_forwards.forward(key, lambda: self._buffers(query_length, queries.shape[1]),
+                                            store.keys[0], rows.slots, inputs)
+
+    def _buffers(self, query_length: int, width: int) -> dict[str, Buffer]:
+        """A new shape's inputs and the values of a slot that takes no part (masks written to the
+        scratch column)."""
+        scratch = self.slots.store.width - 1
+        return {"ids": Buffer((query_length,), torch.long, self.mask_id),
+                "positions": Buffer((query_length,), torch.long, 0),
+                "write_index": Buffer((query_length,), torch.long, scratch), "at": Buffer((width,), torch.long, 0)}
+
+    def _static_run(self, x: Mapping[str, torch.Tensor], key: tuple[int, int, int, int]) -> torch.Tensor:
+        """Logits [bucket, width, V] of slots [0, bucket)."""
+        bucket, _, columns, _ = key
+        cache = CacheWrite(self.slots.store.rows_view(slice(0, bucket)), x["write_index"], width=columns)
+        return self.model(x["ids"], position_ids=x["positions"], cache=cache, logits_at=x["at"])
 
     def _cached_inputs(self, rows: Batch, query_length: int, scratch: int,
                        through_end: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -4,9 +4,9 @@ every row's block.
 
 Rows with the same plan group share a forward; a step whose rows need several forwards builds each
 group's rows, runs the forwards back to back and puts the logits back in row order with one
-concatenation and an inverse permutation. This is the one place for speed tricks (CUDA graphs:
-`engine.dual_graphs`, used by the masked mode's dual forward); the decisions (`engine.decide`) and
-the bookkeeping (`engine.advance`) never see a store.
+concatenation and an inverse permutation. The forwards (static buffers, CUDA graphs, compiled shapes:
+`engine.static_forward`) are the modes'; the decisions (`engine.decide`) and the bookkeeping
+(`engine.advance`) never see a store.
 """
 
 from __future__ import annotations

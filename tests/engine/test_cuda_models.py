@@ -90,7 +90,7 @@ def test_bfloat16_on_the_device_changes_no_more_texts_than_bfloat16_rounding(nam
 
 
 @pytest.mark.skipif(not CHECK_DEVICE.startswith("cuda"), reason="CUDA graphs need a CUDA device (the static "
-                    "forwards they capture run eagerly on CPU in tests/engine/test_dual_graphs.py and "
+                    "forwards they capture run eagerly on CPU in tests/engine/test_static_dual_forward.py and "
                     "test_static_block_forward.py)")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", ALL_MODELS)
@@ -104,7 +104,7 @@ def test_cuda_graphs_give_the_tokens_eager_steps_give(name, dtype, record_proper
                                cuda_graphs=True)
     graphs = decode_with(engine, check_requests(name))
     mode = engine.mode
-    captured = mode.dual_graphs.captured if name in MASKED_MODELS else mode.static_forwards.made
+    captured = mode.static_forwards.made
     assert captured > 0
     diff = changed(graphs.tokens, eager.tokens)
     record_property("graphs", captured)

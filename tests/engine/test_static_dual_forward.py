@@ -1,6 +1,7 @@
-"""The dual-cache step on static, slot-indexed buffers (engine.dual_graphs): the forward that CUDA
-graphs capture. On CPU it runs eagerly and must decode exactly what the ordinary cached forward
-decodes; on a CUDA machine the captured graphs must too."""
+"""The masked mode's dual-cache step on static, slot-indexed buffers (engine.static_forward): the
+forward that CUDA graphs capture and torch.compile compiles. On CPU it runs eagerly and must decode
+exactly what the ordinary cached forward decodes; compiled (fullgraph=True) it must compile whole
+and decode the same; on a CUDA machine the captured graphs must too."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ import torch
 from engine import DecodeParams, Engine, EngineConfig, load_model
 from engine.batch import Batch
 from engine.chat import chat_prompt_ids
-from engine.dual_graphs import DualStepGraphs
 from engine.loading.tokenizer import load_tokenizer
-from engine.static_forward import batch_buckets
+from engine.static_forward import StaticForwards, batch_buckets
 from tinymodels.evaluate import held_out_problems
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
@@ -30,9 +30,13 @@ def test_batch_buckets_cover_every_batch_size():
         assert buckets[-1] == max_batch and list(buckets) == sorted(set(buckets))
 
 
-def test_capture_needs_cuda(llada_model):
-    with pytest.raises(ValueError, match="CUDA"):
-        DualStepGraphs(llada_model, 4, capture=True)
+def _static_engine(model, max_batch: int, how: str = "eager") -> Engine:  # type: ignore[no-untyped-def]
+    engine = Engine.from_model(model, max_batch=max_batch)
+    engine.mode.static_forwards = StaticForwards(engine.mode._static_run, how, max_batch, model.device)
+    return engine
+
+
+def test_capture_needs_cuda():
     with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device"):
         EngineConfig(model="x", cuda_graphs=True)
 
@@ -67,20 +71,15 @@ def test_static_dual_forward_decodes_what_the_cached_forward_decodes(name):
     prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": p.prompt}]) for p in problems]
     prompts.sort(key=len)  # longer prompts arrive later: the store grows mid-run
     ordinary = _decode(Engine.from_model(model, max_batch=6), prompts)
-    engine = Engine.from_model(model, max_batch=6)
-    static = DualStepGraphs(model, 6, capture=False)
-    engine.mode.dual_graphs = static
+    engine = _static_engine(model, 6)
     assert _decode(engine, prompts) == ordinary
-    assert static._forwards, "the static forward ran"
-    assert static.captured == 0
+    assert engine.mode.static_forwards.made > 0, "the static forward ran"
 
 
 def test_static_dual_forward_leaves_other_slots_caches_alone(llada_model):
     """A static forward over slots [0, bucket) in which only slot 2 takes part changes no key or value
     of another slot but in the scratch column, and slot 2's only at its block and that column."""
-    engine = Engine.from_model(llada_model, max_batch=4)
-    static = DualStepGraphs(llada_model, 4, capture=False)
-    engine.mode.dual_graphs = static
+    engine = _static_engine(llada_model, 4)
     params = DecodeParams(policy="fixed", gen_length=16, block_length=8, steps=16, cache="dual")
     for prompt in ([5, 6, 7], [8, 9], [10, 11, 12, 13]):
         engine.add_request(prompt, params)
@@ -106,6 +105,17 @@ def test_static_dual_forward_leaves_other_slots_caches_alone(llada_model):
         assert (new[2][:, block] != 0).all()
 
 
+def test_the_static_dual_forward_compiles_whole_and_decodes_the_same(llada_model):
+    """torch.compile(fullgraph=True) of the dual step (a graph break raises), one bucket and one
+    block length: the tokens of the eager static forward."""
+    params = DecodeParams(policy="fixed", gen_length=16, block_length=8, steps=16, cache="dual")
+    eager = _static_engine(llada_model, 1).generate([[5, 6, 7]], params)
+    torch._dynamo.reset()
+    compiled = _static_engine(llada_model, 1, how="compile")
+    assert compiled.generate([[5, 6, 7]], params)[0].generated_ids == eager[0].generated_ids
+    assert compiled.mode.static_forwards.made > 0
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_cuda_graphs_decode_what_the_eager_engine_decodes():
@@ -116,4 +126,4 @@ def test_cuda_graphs_decode_what_the_eager_engine_decodes():
     eager = _decode(Engine.from_model(model, max_batch=4), prompts)
     engine = Engine.from_model(model, max_batch=4, cuda_graphs=True)
     assert _decode(engine, prompts) == eager
-    assert engine.mode.dual_graphs is not None and engine.mode.dual_graphs.captured > 0
+    assert engine.mode.static_forwards.how == "graph" and engine.mode.static_forwards.made > 0
