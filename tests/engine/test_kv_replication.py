@@ -1,7 +1,7 @@
 """Tensor parallelism past a model's KV heads (gloo on CPU): at a size that is a multiple of the KV
 heads, each KV head is replicated over size / kv ranks (`TensorParallel.kv_split`), each rank loading
 only its head's rows of the checkpoint's K and V. The fixture families with fewer KV heads than ranks
-give TP1's logits and tokens, greedy and seeded sampling alike; a size that neither divides nor is a
+give TP1's logits and tokens, every decoding policy and seeded sampling alike; a size that neither divides nor is a
 multiple of the KV heads is refused naming both rules.
 
 The size is twice the fixture's KV heads (4 on the shared set); a fixture set whose heads that size
@@ -22,6 +22,7 @@ from fixture_checkpoints import block_fixture
 from safetensors.torch import load_file
 
 from engine import DecodeParams, Engine, EngineConfig, load_model, start_engine
+from engine.decoding.registry import BLOCK, MASKED, POLICIES
 from engine.errors import TensorParallelError
 from engine.models.parallel.group import TensorParallel
 from engine.models.parallel.sharding import check_divisible
@@ -97,9 +98,23 @@ def test_logits_past_the_kv_heads_equal_tp1(family: Any) -> None:
 
 
 def test_tokens_past_the_kv_heads_equal_tp1(family: Any) -> None:
+    """Every decoding policy of the family's mode in one batch (logprobs and top-k on some: each rank
+    decides on its vocabulary shard, engine/decoding/vocab_parallel.py), then seeded sampling: TP1's
+    tokens."""
     name, checkpoint, engine = family
     prompts = _prompts(name)
+    mode = BLOCK if name in ("sdar", "llada2") else MASKED
+    policies = [policy for policy, p in POLICIES.items() if mode in p.modes]
+    every = [DecodeParams(policy=policy, gen_length=16, threshold=0.5, logprobs=2 if i % 2 else None,
+                          top_k=3 if i % 3 == 1 else 0, ignore_eos=True) for i, policy in enumerate(policies)]
     reference = Engine(EngineConfig(model=str(checkpoint), max_batch=4))
-    for params in (DecodeParams(gen_length=16), DecodeParams(gen_length=16, temperature=0.8, seed=7)):
-        want = [r.generated_ids for r in reference.generate(prompts, params)]
-        assert [r.generated_ids for r in engine.generate(prompts, params)] == want, (name, params.temperature)
+    batch = [prompts[i % len(prompts)] for i in range(len(policies))]
+    want = reference.generate(batch, every)
+    got = engine.generate(batch, every)
+    for mine, theirs, p in zip(got, want, every, strict=True):
+        assert mine.generated_ids == theirs.generated_ids, (name, p.policy)
+        if p.logprobs:
+            assert [t.token_id for t in mine.logprobs] == [t.token_id for t in theirs.logprobs], (name, p.policy)
+    sampled = DecodeParams(gen_length=16, temperature=0.8, seed=7)
+    want_ids = [r.generated_ids for r in reference.generate(prompts, sampled)]
+    assert [r.generated_ids for r in engine.generate(prompts, sampled)] == want_ids, name
