@@ -7,7 +7,9 @@ of fresh requests on the engine that decoded the last one (a tensor-parallel eng
 restarted per repeat), so the baseline is timed the same way: the first step of a repeat (the
 block start: a full forward, or for a block-diffusion model the prefill of the prompt's blocks)
 and its steps 1..k (cached or denoising). On CPU the ranks share the host's cores: each of N ranks
-runs cores/N threads, the baseline all of them. On CUDA rank r runs on GPU r (NCCL).
+runs cores/N threads, the baseline all of them. On CUDA rank r runs on GPU r (NCCL). `wire_kb` is
+what rank 0 received from its peers in the step (`WireCount`: the layers' all-reduces and the decide's
+reductions, engine/decoding/vocab_parallel.py).
 
     python bench/gpu_step.py -tp 2                    # real shapes, bf16, GPUs 0 and 1
     python bench/gpu_step.py -tp 2 --device cpu --dtype float32 --shapes mid --models llada \\
@@ -33,8 +35,9 @@ from engine.decoding import DecodeParams
 from engine.engine import Engine
 from engine.errors import TensorParallelError
 from engine.executor.start import start_engine
+from engine.models.parallel.group import WireCount
 
-COLUMNS = ("model", "tp", "batch", "cache", "step", "step_ms", "fed_tok", "tok_per_s", "vs_tp1")
+COLUMNS = ("model", "tp", "batch", "cache", "step", "step_ms", "fed_tok", "tok_per_s", "vs_tp1", "wire_kb")
 
 
 def _params(block_model: bool, cache: str, args: argparse.Namespace) -> DecodeParams:
@@ -46,26 +49,30 @@ def _params(block_model: bool, cache: str, args: argparse.Namespace) -> DecodePa
 
 
 def time_engine(engine: Engine, prompts: list[tuple[int, ...]], params: DecodeParams,
-                args: argparse.Namespace) -> dict[str, tuple[list[float], int]]:
-    """{step kind: (seconds of each timed step, tokens fed)} over `repeats` batches after a warm-up."""
+                args: argparse.Namespace) -> dict[str, tuple[list[float], int, int]]:
+    """{step kind: (seconds of each timed step, tokens fed, bytes rank 0 received from its peers in
+    the last one: every layer's all-reduces and the decide's reductions)} over `repeats` batches
+    after a warm-up."""
     k = min(args.cached_steps, args.block - 1)
     first, rest = ("prefill", "denoise") if engine.family.mode == "block" else ("full", "cached")
     times: dict[str, list[float]] = {first: [], rest: []}
     fed: dict[str, int] = {}
+    wire: dict[str, int] = {}
     for repeat in range(args.repeats + 1):
         ids = [engine.add_request(p, params, f"bench-{repeat}-{i}") for i, p in enumerate(prompts)]
         for step in range(1 + k):
             sync(engine.model.device)
-            started = time.perf_counter()
+            started, received = time.perf_counter(), WireCount.bytes
             outputs = engine.step()
             sync(engine.model.device)
             kind = first if step == 0 or params.cache == "none" else rest
             if repeat:
                 times[kind].append(time.perf_counter() - started)
                 fed[kind] = sum(o.fed_tokens for o in outputs)
+                wire[kind] = WireCount.bytes - received
         for request_id in ids:  # leave at the next step, which admits the next repeat's batch
             engine.abort(request_id)
-    return {kind: (samples, fed[kind]) for kind, samples in times.items() if samples}
+    return {kind: (samples, fed[kind], wire[kind]) for kind, samples in times.items() if samples}
 
 
 def _spec(name: str, args: argparse.Namespace, model_spec: Callable) -> tuple[dict[str, Any], Any, int]:
@@ -116,15 +123,15 @@ def run_tensor_parallel(args: argparse.Namespace, device: torch.device, dtype: t
                 for batch in args.batches:
                     prompts = random_prompts(batch, args.prompt_len, limit, args.seed + batch)
                     for cache in caches:
-                        for kind, (samples, fed) in time_engine(engine, prompts, _params(block_model, cache, args),
-                                                                args).items():
+                        for kind, (samples, fed, wire) in time_engine(engine, prompts,
+                                                                      _params(block_model, cache, args), args).items():
                             step = statistics.median(samples)
                             key = (batch, cache, kind)
                             if tp == 1:
                                 baseline[key] = step
                             ratio = baseline.get(key, float("nan")) / step
                             print(f"{name} {tp} {batch} {cache} {kind} {1e3 * step:.2f} {fed} {fed / step:.0f} "
-                                  f"{ratio:.2f}", flush=True)
+                                  f"{ratio:.2f} {wire / 1e3:.1f}", flush=True)
             finally:
                 engine.close()
                 del engine

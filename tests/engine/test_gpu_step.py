@@ -300,7 +300,8 @@ def test_tiny_cpu_run_prints_the_dg_rows(capsys):
 
 
 def test_tensor_parallel_rows_run_at_tiny_shapes(capsys, fixtures: Path):
-    """`-tp 2` on CPU (bench/tp_step.py): every row of a masked and a block family at TP2 beside TP1."""
+    """`-tp 2` on CPU (bench/tp_step.py): every row of a masked and a block family at TP2 beside TP1,
+    with the bytes a step moved."""
     gpu_step.main(["--real-dir", str(fixtures / "real"), "-tp", "2", "--shapes", "tiny", "--device", "cpu",
                    "--dtype", "float32", "--models", "llada", "sdar", "--prompt-len", "16", "--gen-len", "16",
                    "--block", "8", "--batches", "1", "--caches", "dual", "--repeats", "1", "--cached-steps", "1",
@@ -309,6 +310,8 @@ def test_tensor_parallel_rows_run_at_tiny_shapes(capsys, fixtures: Path):
     cells = [dict(zip(header, row, strict=True)) for row in rows]
     assert {(c["model"], c["tp"]) for c in cells} == {(m, tp) for m in ("llada", "sdar") for tp in ("1", "2")}
     assert all(math.isfinite(float(c["step_ms"])) and float(c["step_ms"]) > 0 for c in cells)
+    # what rank 0 received a step: nothing on one device, the layers' all-reduces and the decide's few numbers at TP2
+    assert all((float(c["wire_kb"]) > 0) == (c["tp"] == "2") for c in cells)
 
 
 def _exact_cache_rows(lines: list[str], fed_per_row: dict[str, int]) -> set[tuple[str, int, str]]:
