@@ -5,10 +5,11 @@ minutes on one H100 or H200,
    bfloat16 through every policy and cache mode, CUDA graphs against eager steps, int8/int4/fp8,
    one host read a step, LLaDA2's MoE kernels, the uniform-noise built-in by its answers;
    tests/cuda_check.py gives the criterion);
-2. step: bench/gpu_step.py at the real shapes, a subset that fits: LLaDA-8B and SDAR-8B at batch 1
-   and 8, full and cached steps, against the roofline floor measured in the same run;
-3. offline: the offline engine at LLaDA-8B's shape, batch 1 against 8, CUDA graphs off and on
-   (bench/gpu_check_offline.py).
+2. step: bench/gpu_step.py at the real shapes of every family: LLaDA-8B, SDAR-8B, LLaDA2.0-mini and
+   DiffusionGemma-26B-A4B at batch 1 and 8, eager and (the masked dual and block cached steps) as
+   CUDA graphs, against the roofline floor measured in the same run;
+3. offline: the offline engine at LLaDA-8B's shape, batch 1 against 8, CUDA graphs off and on, with
+   the joules a request took by the GPU's energy counter (bench/gpu_check_offline.py).
 
 Each phase runs as its own process under a time budget (a phase that overruns is stopped and said
 so; the others still run). Everything lands in OUTDIR, in six files (the device tool brings back at
@@ -51,16 +52,16 @@ PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "trit
             "flash_attn")
 # Per-phase budgets on a GPU (seconds), inside the whole check's: measured phases are short of them by
 # design, the budget only stops a phase that hangs or runs far slower than planned.
-GPU_BUDGETS = {"tests": 190.0, "step": 150.0, "offline": 110.0}
+GPU_BUDGETS = {"tests": 190.0, "step": 220.0, "offline": 110.0}
 PHASES = ("tests", "step", "offline")
 TOTAL_BUDGET_S = 470.0  # 7 min 50 s: the check promises 8 minutes
 STOP_GRACE_S = 15.0  # a stopped phase's time to write its report
 STEP_ARGS = {
-    "cuda": ["--models", "llada", "sdar", "--batches", "1", "8", "--caches", "none", "prefix", "dual",
-             "--repeats", "3", "--cached-steps", "8"],
+    "cuda": ["--models", "llada", "sdar", "llada2", "dg", "--batches", "1", "8", "--caches", "none", "prefix",
+             "dual", "--repeats", "3", "--cached-steps", "8"],
     "cpu": ["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--prompt-len", "32", "--gen-len", "32",
             "--block", "16", "--batches", "1", "--caches", "dual", "--repeats", "1", "--cached-steps", "2",
-            "--models", "llada", "sdar"],
+            "--models", "llada", "sdar", "llada2", "dg"],
 }
 OFFLINE_ARGS = {
     "cuda": [],  # its defaults: LLaDA-8B shape, bf16, prompt 512 + 256, batch 1 and 8, graphs off and on

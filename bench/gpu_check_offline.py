@@ -10,6 +10,9 @@ time of that run; each step's time is read on the host after the step's one devi
 which waits for the device. A batch's graph and eager runs decode the same prompts and their tokens
 are compared: random weights make near-ties common, so in bfloat16 a few differing tokens can be
 rounding (the count is reported; tests/engine/test_cuda_models.py judges graphs on real models).
+`J_per_req` is the device's energy counter over the timed run (the server's meter: NVML on a GPU,
+RAPL on a CPU where readable, "-" where there is none) per request: the whole device's, so anything
+else running on it counts too.
 
     python bench/gpu_check_offline.py               # one H100/H200: LLaDA-8B shape, bf16, batch 1 and 8
     python bench/gpu_check_offline.py --shapes tiny --device cpu --dtype float32 --prompt-len 16 \\
@@ -33,6 +36,7 @@ from typing import Any, Optional
 import torch
 
 from engine import DecodeParams, Engine
+from server.energy import open_meter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_step import REAL_DIR, build_random_model, free_model, model_spec, random_prompts
@@ -52,6 +56,7 @@ class OfflineRow:
     max_step_ms: float
     captured_graphs: int
     tokens_differing_from_eager: Optional[int]  # None for the eager run itself
+    joules_per_request: Optional[float]  # the device's energy counter over the timed run / its requests
 
 
 @dataclass(frozen=True)
@@ -87,12 +92,16 @@ def _captured(engine: Engine) -> int:
 def run_batch(model: Any, name: str, prompts: list[tuple[int, ...]], params: DecodeParams, graph_modes: list[bool],
               warmups: int) -> list[OfflineRow]:
     rows: list[OfflineRow] = []
+    meter = open_meter(str(model.device))  # the server's meter of this device (`--energy-meter auto`)
     eager: Optional[list[tuple[int, ...]]] = None
     for graphs in graph_modes:
         engine = Engine.from_model(model, max_batch=len(prompts), cuda_graphs=graphs)
         for _ in range(warmups):
             _decode(engine, prompts, params)
+        before = meter.read_joules()
         run = _decode(engine, prompts, params)
+        after = meter.read_joules()
+        joules = None if before is None or after is None else (after - before) / len(prompts)
         if not graphs:
             eager = run.tokens
         differing = None if not graphs or eager is None else sum(
@@ -100,7 +109,7 @@ def run_batch(model: Any, name: str, prompts: list[tuple[int, ...]], params: Dec
         generated = sum(len(tokens) for tokens in run.tokens)
         rows.append(OfflineRow(name, len(prompts), graphs, generated, len(run.step_s), run.wall_s,
                                generated / run.wall_s, 1e3 * statistics.median(run.step_s),
-                               1e3 * max(run.step_s), _captured(engine), differing))
+                               1e3 * max(run.step_s), _captured(engine), differing, joules))
         del engine
         free_model()
     return rows
@@ -136,7 +145,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 
 _HEADER = ("model", "batch", "graphs", "gen_tok", "steps", "wall_s", "tok_per_s", "step_ms_med", "step_ms_max",
-           "captured", "tok_vs_eager")
+           "captured", "tok_vs_eager", "J_per_req")
 
 
 def format_row(row: OfflineRow) -> str:
@@ -144,7 +153,8 @@ def format_row(row: OfflineRow) -> str:
         f"{row.tokens_differing_from_eager}/{row.generated_tokens}"
     cells = (row.model, row.batch, "on" if row.graphs else "off", row.generated_tokens, row.steps,
              f"{row.wall_s:.2f}", f"{row.tokens_per_s:.1f}", f"{row.median_step_ms:.2f}", f"{row.max_step_ms:.2f}",
-             row.captured_graphs, differing)
+             row.captured_graphs, differing,
+             "-" if row.joules_per_request is None else f"{row.joules_per_request:.2f}")
     return " ".join(str(c).rjust(max(len(h), 6)) for c, h in zip(cells, _HEADER, strict=True))
 
 

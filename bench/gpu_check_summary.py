@@ -26,7 +26,7 @@ TEST_LABELS = {
 # recorded, but too long or too plain for the screen (results.json keeps them)
 OFF_SCREEN = ("sync_sources", "steps")
 STEP_COLUMNS = ("model", "batch", "cache", "step", "attn", "step_ms", "tok_per_s", "floor_ms", "step/floor")
-OFFLINE_COLUMNS = ("model", "batch", "graphs", "tok_per_s", "step_ms_med", "captured", "tok_vs_eager")
+OFFLINE_COLUMNS = ("model", "batch", "graphs", "tok_per_s", "step_ms_med", "captured", "tok_vs_eager", "J_per_req")
 WIDTH = 140
 
 

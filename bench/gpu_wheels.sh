@@ -3,8 +3,10 @@
 # .gpu_wheels/ (ignored by git; the device tool carries it with `carry: [".gpu_wheels"]`).
 #
 # The image has torch 2.11 (CUDA 13), transformers, safetensors, tokenizers, numpy, jinja2, tqdm,
-# triton and pytest, but not torchao (int8/fp8) or bitsandbytes (int4). Both are fetched at the
-# versions pyproject.toml's `quant` extra pins, as Python 3.12 manylinux x86_64 wheels. bitsandbytes'
+# triton and pytest, but not torchao (int8/fp8), bitsandbytes (int4) or nvidia-ml-py (the energy
+# meter the offline phase reads). The first two are fetched at the versions pyproject.toml's `quant`
+# extra pins, as Python 3.12 manylinux x86_64 wheels; nvidia-ml-py (pure Python) as the `gpu` extra
+# asks. bitsandbytes'
 # wheel (43 MB) holds a kernel library for every CUDA, ROCm and XPU release it supports; only the
 # CUDA 13 ones (what torch 2.11+cu13x loads) and the CPU one are kept, repacked with a RECORD that
 # lists what is left. fastapi, uvicorn and pydantic do not travel: the check runs no server.
@@ -21,12 +23,13 @@ pin() { grep -o "\"$1==[^\"]*\"" pyproject.toml | tr -d '"'; }
 TORCHAO="$(pin torchao)"
 BITSANDBYTES="$(pin bitsandbytes)"
 [ -n "$TORCHAO" ] && [ -n "$BITSANDBYTES" ] || { echo "no torchao/bitsandbytes pin in pyproject.toml" >&2; exit 1; }
+NVML="$(grep -o '"nvidia-ml-py[^"]*"' pyproject.toml | tr -d '"')"
 
 rm -rf "$DEST" && mkdir -p "$DEST"
 "$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
-  -d "$DEST" "$TORCHAO" "$BITSANDBYTES"
+  -d "$DEST" "$TORCHAO" "$BITSANDBYTES" "$NVML"
 
 "$PYTHON" - "$DEST" <<'PY'
 """Repack bitsandbytes without the kernel libraries torch+cu13x never loads."""

@@ -44,7 +44,7 @@ def test_the_gpu_check_runs_every_phase_on_cpu(tmp_path):
     assert any(t["outcome"] == "passed" and t["properties"] for t in tests), "tests record what they measured"
 
     step = phases["step"]["table"]
-    assert {row["model"] for row in step} == {"llada", "sdar"}
+    assert {row["model"] for row in step} == {"llada", "sdar", "llada2", "dg"}
     assert all(row["step_ms"] > 0 and row["floor_ms"] > 0 for row in step)
     offline = phases["offline"]["rows"]
     assert [(row["batch"], row["graphs"]) for row in offline] == [(1, False), (2, False)]
