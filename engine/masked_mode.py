@@ -10,10 +10,10 @@ Each row takes part in exactly one forward per step:
   forward runs over the rows' span of slots, a view of the store (engine/batch.py, `Batch.spread`).
 Rows of one kind share a forward.
 
-On static buffers (`EngineConfig.static_forwards`: CUDA graphs, or torch.compile), the dual forward
-runs over slots [0, bucket) (`engine.static_forward`): a slot that takes no part feeds masks that
-write only the store's last column, which no row attends (every canvas is shorter than the store);
-its attention spans a power-of-two number of columns (one shape for every canvas up to it).
+On static buffers (`EngineConfig.static_forwards`: CUDA graphs, or torch.compile), the dual and prefix
+forwards run over slots [0, bucket) (`engine.static_forward`): a slot that takes no part feeds masks
+that write only the store's last column, which no row attends (every canvas is shorter than the
+store); attention spans a power-of-two number of columns (one shape for every canvas up to it).
 """
 
 from __future__ import annotations
@@ -123,8 +123,8 @@ class MaskedDiffusion(DecodingMode):
         # query j of a row is its block's position j (past its block: a position never read)
         p = self.slots.positions[None, :width]
         queries = torch.where(p < rows.block_length[:, None], p, 0)
-        if self.static_forwards is not None and not through_end:
-            return self._static(rows, query_length, queries)
+        if self.static_forwards is not None:
+            return self._static(rows, query_length, queries, through_end)
         # Attention spans the step's longest canvas; query-only positions write to the column past
         # it, which no row attends (the store is wider: not read here). The forward runs over the
         # rows' span of slots, a view of the store; a slot in it that runs another forward this step
@@ -141,13 +141,14 @@ class MaskedDiffusion(DecodingMode):
                             logits_at=rows.spread(queries, 0))
         return rows.gather(logits)
 
-    def _static(self, rows: Batch, query_length: int, queries: torch.Tensor) -> torch.Tensor:
-        """The dual forward on static buffers, keyed by (bucket, query length, columns attended,
+    def _static(self, rows: Batch, query_length: int, queries: torch.Tensor, through_end: bool) -> torch.Tensor:
+        """The cached forward on static buffers, keyed by (bucket, query length, columns attended,
         logits width): the columns a power of two, within the store short of its last column (the
-        scratch column of idle slots)."""
+        scratch column of idle slots). The inputs say what is fed: a dual and a prefix step of one
+        key share its shape."""
         assert self.static_forwards is not None
         store = self.slots.store
-        ids, positions, write_index = self._cached_inputs(rows, query_length, store.width - 1, through_end=False)
+        ids, positions, write_index = self._cached_inputs(rows, query_length, store.width - 1, through_end)
         longest = max(r.length for r in rows.requests)
         columns = min(1 << (longest - 1).bit_length(), store.width - 1)
         key = (self.static_forwards.bucket(rows.requests[-1].slot), query_length, columns, queries.shape[1])

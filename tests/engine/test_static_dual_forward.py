@@ -52,8 +52,8 @@ def _params(i: int) -> DecodeParams:
     """CAI (rows start blocks at different steps, so dual and full forwards share a step), the fixed
     schedule (long runs of dual steps, with refreshes) and Fast-dLLM's threshold, two block lengths."""
     policy = ("cai", "fixed", "threshold")[i % 3]
-    return DecodeParams(policy=policy, gen_length=64, block_length=16 if i % 4 else 32, steps=32, cache="dual",
-                        refresh_interval=8 if i % 2 else 0)
+    return DecodeParams(policy=policy, gen_length=64, block_length=16 if i % 4 else 32, steps=32,
+                        cache="prefix" if i % 4 == 1 else "dual", refresh_interval=8 if i % 2 else 0)
 
 
 def _decode(engine: Engine, prompts: list[list[int]]) -> list[tuple[int, ...]]:
@@ -74,6 +74,22 @@ def test_static_dual_forward_decodes_what_the_cached_forward_decodes(name):
     engine = _static_engine(model, 6)
     assert _decode(engine, prompts) == ordinary
     assert engine.mode.static_forwards.made > 0, "the static forward ran"
+
+
+@pytest.mark.parametrize("cache", ["dual", "prefix"])
+def test_a_static_cached_step_gives_the_ordinary_steps_logits(llada_model, cache):
+    """After every row's full forward, the next (cached) step's logits on static buffers equal the
+    ordinary forward's: a prefix step refreshes everything after the block, a dual step nothing."""
+    params = DecodeParams(policy="fixed", gen_length=16, block_length=8, steps=16, cache=cache, ignore_eos=True)
+    logits = []
+    for engine in (Engine.from_model(llada_model, max_batch=4), _static_engine(llada_model, 4)):
+        for prompt in ([5, 6, 7], [8, 9], [10, 11, 12, 13]):
+            engine.add_request(prompt, params)
+        engine.step()
+        running = engine.scheduler.running
+        assert all(engine.mode.plan(r).kind == cache for r in running)
+        logits.append(engine.runner.run(Batch.build(running, engine.mode.plan, llada_model.device)).logits)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
 
 
 def test_static_dual_forward_leaves_other_slots_caches_alone(llada_model):
