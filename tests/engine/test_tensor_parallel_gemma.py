@@ -3,10 +3,12 @@ sliding and full layers' heads split (the full layers' few KV heads replicated p
 the shared K=V ones included), the dense and self-conditioning MLPs and the routed experts split,
 the vocabulary whole on every rank. Logits through the encoder and decoder passes equal TP1's, each
 rank reads only the slices it holds, a size that fits neither KV rule is refused naming both, and
-`diffusiongemma-tiny` decodes a seeded request (and a greedy one) at TP SIZE exactly as at TP1.
+`diffusiongemma-tiny` decodes a seeded request (and a greedy one) at TP SIZE and 2 x SIZE exactly as
+at TP1.
 
 Sizes, ids and inputs come from the files: the built-in model (its config, pad id, chat template and
-held-out problems) runs in the module's one TP group (a process holds one group at a time); the
+held-out problems) runs in the module's TP group of each size, one after the other (a process holds
+one group at a time); the
 loader's per-rank reads and the size rules are checked on it and on the parity fixture
 (CAI_DLLM_FIXTURES may point at another set of the same layout) without a group. A checkpoint that
 SIZE ranks cannot split is skipped, naming the count.
@@ -56,25 +58,27 @@ def _config(checkpoint: Path) -> Any:
     return model_class_for(hf).parse_config(hf)
 
 
-def _skip_unless_splittable(checkpoint: Path) -> None:
+def _skip_unless_splittable(checkpoint: Path, size: int = SIZE) -> None:
     try:
-        check_divisible(_config(checkpoint), SIZE)
+        check_divisible(_config(checkpoint), size)
     except TensorParallelError as err:
-        pytest.skip(f"{checkpoint.name} cannot be split {SIZE} ways: {err}")
+        pytest.skip(f"{checkpoint.name} cannot be split {size} ways: {err}")
 
 
-@pytest.fixture(scope="module")
-def builtin() -> Any:
-    """(the TP1 engine, the TP SIZE engine, held-out prompts) of the built-in model: the one
-    tensor-parallel group of this module (a process holds one at a time)."""
+@pytest.fixture(scope="module", params=[SIZE, 2 * SIZE], ids=lambda size: f"tp{size}")
+def builtin(request: pytest.FixtureRequest) -> Any:
+    """(the TP1 engine, the tensor-parallel engine, held-out prompts, its size) of the built-in model,
+    at SIZE and twice SIZE ranks (past the full layers' KV heads: replicated): the one group of this
+    module at a time (a process holds one)."""
     if not (BUILTIN / "model.safetensors").is_file():
         pytest.skip(f"the built-in model {BUILTIN.name} is not committed here")
-    _skip_unless_splittable(BUILTIN)
+    size = request.param
+    _skip_unless_splittable(BUILTIN, size)
     reference = Engine(EngineConfig(model=str(BUILTIN), max_batch=PROMPTS))
     problems = held_out_problems(PROMPTS, seed=0, mix=model_mix(str(BUILTIN)))
     prompts = [chat_prompt_ids(reference.tokenizer, [{"role": "user", "content": p.prompt}]) for p in problems]
-    engine = start_engine(EngineConfig(model=str(BUILTIN), tensor_parallel_size=SIZE, max_batch=PROMPTS))
-    yield reference, engine, prompts
+    engine = start_engine(EngineConfig(model=str(BUILTIN), tensor_parallel_size=size, max_batch=PROMPTS))
+    yield reference, engine, prompts, size
     engine.close()
 
 
@@ -92,7 +96,7 @@ def _forward_inputs(model: Any, prompts: list[list[int]]) -> tuple[torch.Tensor,
 
 def test_logits_at_tp_equal_tp1(builtin: Any) -> None:
     """Encoder, decoder, self-conditioned decoder and a decoder after a commit pass."""
-    reference, engine, prompts = builtin
+    reference, engine, prompts, _ = builtin
     model = reference.model
     ids, mask, canvases = _forward_inputs(model, prompts)
     want = uniform_passes(model, ids, mask, canvases)
@@ -105,26 +109,26 @@ def test_logits_at_tp_equal_tp1(builtin: Any) -> None:
 
 
 def test_each_rank_holds_its_heads_experts_and_mlp_share_and_the_whole_vocabulary(builtin: Any) -> None:
-    reference, engine, _ = builtin
+    reference, engine, _, size = builtin
     config = reference.model.config
     gemma = config.gemma
     whole = {name: tuple(p.shape) for name, p in reference.model.named_parameters()}
     ranks = engine.collective_rpc("tp_calls:shard_shapes", results=True)
-    assert len(ranks) == SIZE
+    assert len(ranks) == size
     for name, shape in whole.items():
         shapes = [rank[name] for rank in ranks]
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            assert all(s[0] * SIZE == gemma.num_experts == shape[0] for s in shapes), name
+            assert all(s[0] * size == gemma.num_experts == shape[0] for s in shapes), name
         elif name.endswith("qkv_proj.weight"):
             kind = gemma.attention(int(name.split(".")[1]))
-            kv = TensorParallel(0, SIZE).kv_split(kind.num_kv_heads)[1]
+            kv = TensorParallel(0, size).kv_split(kind.num_kv_heads)[1]
             parts = 2 if kind.values_from_keys else 3  # q|k, or q|k|v
-            local = (config.num_heads // SIZE + (parts - 1) * kv) * kind.head_dim
+            local = (config.num_heads // size + (parts - 1) * kv) * kind.head_dim
             assert all(s[0] == local for s in shapes), name
         elif name.endswith("gate_up_proj.weight"):
-            assert all(s[0] * SIZE == shape[0] for s in shapes), name
+            assert all(s[0] * size == shape[0] for s in shapes), name
         elif name.endswith(("o_proj.weight", "down_proj.weight")):
-            assert all(s[1] * SIZE == shape[1] for s in shapes), name
+            assert all(s[1] * size == shape[1] for s in shapes), name
         else:  # the embedding (the tied head), norms, the router, scalars: replicated
             assert all(s == shape for s in shapes), name
 
@@ -190,7 +194,7 @@ def test_divisible_sizes_name_both_kinds_of_kv_heads_and_a_misfit_is_refused_nam
 @pytest.mark.parametrize("sampling", [{"temperature": 0.7, "seed": 7}, {"temperature": 0.0, "seed": 3}],
                          ids=["seeded", "greedy"])
 def test_builtin_gives_tp1_tokens(builtin: Any, sampling: dict[str, Any]) -> None:
-    reference, engine, prompts = builtin
+    reference, engine, prompts, _ = builtin
     params = [DecodeParams(gen_length=GEN_LENGTH, ignore_eos=True, **{**sampling, "seed": sampling["seed"] + i})
               for i in range(len(prompts))]
     want = [r.generated_ids for r in reference.generate(prompts, params)]
@@ -202,7 +206,7 @@ def test_an_unseeded_greedy_request_draws_alike_on_every_rank(builtin: Any) -> N
     """Its canvases start random whatever the temperature: rank 0 gives it a seed for every rank, so
     every rank's generator is in the same state after a step (the tokens alone cannot show it: the
     tiny model decodes the same canvas from most noise)."""
-    _, engine, prompts = builtin
+    _, engine, prompts, _ = builtin
     engine.add_request(prompts[0], DecodeParams(gen_length=GEN_LENGTH, temperature=0.0, ignore_eos=True))
     engine.step()
     states = engine.collective_rpc("tp_calls:draw_states", results=True)
