@@ -47,7 +47,7 @@ from engine.models.block_transformer import BlockCache, BlockDiffusionTransforme
 from engine.models.moe import GroupedExperts
 from engine.request import Geometry, Request
 from engine.slots import Slots
-from engine.static_forward import Buffer, StaticForwards
+from engine.static_forward import Buffer, StaticForwards, attended_columns
 
 BLOCK, STORE, WINDOW = "block", "store", "window"
 CACHED = "cached"  # the group of every row that runs against its exact cache
@@ -158,7 +158,7 @@ class BlockDiffusion(DecodingMode):
         of its last column, the scratch column of idle slots and padding)."""
         assert self.static_forwards is not None
         store = self.slots.store
-        columns = min(1 << (attended - 1).bit_length(), store.width - 1)
+        columns = attended_columns(attended, store.width)
         key = (self.static_forwards.bucket(rows.requests[-1].slot), length, columns, width)
         return self.static_forwards.forward(key, lambda: self._buffers(length, width), store.keys[0], rows.slots,
                                             inputs)

@@ -32,7 +32,7 @@ from engine.models.packing import PackedTokens
 from engine.models.transformer import DiffusionTransformer
 from engine.request import Geometry, Request
 from engine.slots import Slots
-from engine.static_forward import Buffer, StaticForwards
+from engine.static_forward import Buffer, StaticForwards, attended_columns
 
 FULL, DUAL, PREFIX = "full", "dual", "prefix"
 
@@ -150,7 +150,7 @@ class MaskedDiffusion(DecodingMode):
         store = self.slots.store
         ids, positions, write_index = self._cached_inputs(rows, query_length, store.width - 1, through_end)
         longest = max(r.length for r in rows.requests)
-        columns = min(1 << (longest - 1).bit_length(), store.width - 1)
+        columns = attended_columns(longest, store.width)
         key = (self.static_forwards.bucket(rows.requests[-1].slot), query_length, columns, queries.shape[1])
         inputs = {"ids": ids, "positions": positions, "write_index": write_index, "at": queries}
         return self.static_forwards.forward(key, lambda: self._buffers(query_length, queries.shape[1]),

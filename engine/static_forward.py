@@ -48,6 +48,13 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
     return (*small, *large, max_batch)
 
 
+def attended_columns(longest: int, store_width: int) -> int:
+    """The columns a static forward attends: the power of two at or above the longest span a row
+    attends (one shape for every span up to it), within the store short of its last column (the
+    scratch column that idle slots write)."""
+    return min(1 << (longest - 1).bit_length(), store_width - 1)
+
+
 @dataclass(frozen=True)
 class Buffer:
     """One input of the static forward: its shape past the bucket's rows, dtype and idle value."""

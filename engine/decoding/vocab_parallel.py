@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from engine.decoding.sampling import _ENTROPY_EPS, CONF_MARGIN, CONF_NEG_ENTROPY
+from engine.decoding.sampling import _ENTROPY_EPS, CONF_MARGIN, CONF_NEG_ENTROPY, _best_but
 from engine.models.parallel.group import VocabShard
 
 _NEG_INF = float("-inf")
@@ -47,10 +47,7 @@ def _exchange(shard: VocabShard, columns: Mapping[str, torch.Tensor]) -> dict[st
 
 def _best(scores: torch.Tensor, excluded: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(value, local index) of the largest of `scores` [..., n], never column `excluded`."""
-    if excluded is not None:
-        scores = scores.clone()
-        scores[..., excluded] = _NEG_INF
-    index = scores.argmax(dim=-1)
+    index = scores.argmax(dim=-1) if excluded is None else _best_but(scores, excluded)
     return scores.gather(-1, index[..., None])[..., 0], index
 
 

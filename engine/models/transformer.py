@@ -85,6 +85,7 @@ class DiffusionTransformer(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, padded, bias=False)
         self.lm_head.tp_split = "vocab"
         self._gather_logits = True  # False inside `local_logits`
+        self._vocab = VocabShard(tp, self.vocab_start, self.vocab_rows, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 
@@ -214,7 +215,7 @@ class DiffusionTransformer(nn.Module):
             return
         self._gather_logits = False
         try:
-            yield VocabShard(self.tp, self.vocab_start, self.vocab_rows, self.config.vocab_size)
+            yield self._vocab
         finally:
             self._gather_logits = True
 
@@ -228,7 +229,7 @@ class DiffusionTransformer(nn.Module):
         if not self._gather_logits:
             padding = torch.arange(logits.shape[-1], device=logits.device) >= self.vocab_rows
             return logits.masked_fill(padding, float("-inf"))
-        return VocabShard(self.tp, self.vocab_start, self.vocab_rows, self.config.vocab_size).gather(logits)
+        return self._vocab.gather(logits)
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
