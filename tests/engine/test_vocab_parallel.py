@@ -5,11 +5,13 @@ where gathering the logits moves the whole vocabulary."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from conftest import FIXTURES
 from serverproc import free_port
 from vocab_ranks import run
 
@@ -40,9 +42,12 @@ def test_every_reduction_equals_the_whole_vocabularys(tmp_path: Path) -> None:
 
 
 def test_a_step_moves_a_few_numbers_per_position_not_the_vocabulary(tmp_path: Path) -> None:
-    """LLaDA2's 157 k vocabulary, 8 rows of a 32-token block, TP 2: at least 50x fewer bytes than the
-    full-logit gather (a few KB against 80 MB received by each rank)."""
-    case = {"batch": 8, "width": 32, "vocab": 157_184, "mask_id": 156_895}
+    """LLaDA2's vocabulary (its released config), 8 rows of a 32-token block, TP 2: at least 50x fewer
+    bytes than the full-logit gather (a few KB against 80 MB received by each rank)."""
+    real = FIXTURES / "real" / "llada2.0-mini"
+    vocab = json.loads((real / "dfactory_llada2_mini_config.json").read_text())["vocab_size"]
+    mask_id = json.loads((real / "generate_defaults.json").read_text())["llada2.0_generate_defaults"]["mask_id"]
+    case = {"batch": 8, "width": 32, "vocab": vocab, "mask_id": mask_id}
     for moved in _on_ranks(2, "wire_bytes", case, tmp_path):
-        assert moved["gathered"] == 8 * 32 * 157_184 // 2 * 4
+        assert moved["gathered"] == 8 * 32 * -(-vocab // 2) * 4
         assert moved["reduced"] * 50 <= moved["gathered"], moved
