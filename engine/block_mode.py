@@ -35,19 +35,15 @@ spans a power-of-two number of columns (one shape for every width up to it), mas
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Optional
 
 import torch
 
 from engine.batch import Batch, RowPlan
 from engine.decoding.params import DecodeParams
-from engine.errors import SettingError
 from engine.mode import DecodingMode, ForwardFn
 from engine.models.block_transformer import BlockCache, BlockDiffusionTransformer
-from engine.models.moe import GroupedExperts
 from engine.request import Geometry, Request
-from engine.slots import Slots
-from engine.static_forward import Buffer, StaticForwards, attended_columns
+from engine.static_forward import Buffer, attended_columns
 
 BLOCK, STORE, WINDOW = "block", "store", "window"
 CACHED = "cached"  # the group of every row that runs against its exact cache
@@ -58,17 +54,6 @@ class BlockDiffusion(DecodingMode):
     caches = ("exact", "none")
     prefix_caching = True
     model: BlockDiffusionTransformer
-
-    def __init__(self, model: BlockDiffusionTransformer, slots: Slots, static: Optional[str] = None) -> None:
-        if static is not None and not all(m.static for m in model.modules() if isinstance(m, GroupedExperts)):
-            if static == "compile":
-                raise SettingError("--torch-compile", f"{model.display_name}'s experts run a compiled forward only "
-                                   f"in bfloat16 and unquantized (torch's grouped GEMM); serve it with --dtype "
-                                   f"bfloat16 or without the flag")
-            static = None  # CUDA graphs by default: this model's steps run eagerly
-        super().__init__(model, slots, static)
-        self.static_forwards = None if static is None else StaticForwards(
-            self._static_run, static, slots.canvas.shape[0], model.device)
 
     @property
     def forwards(self) -> dict[str, ForwardFn]:

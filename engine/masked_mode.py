@@ -32,7 +32,7 @@ from engine.models.packing import PackedTokens
 from engine.models.transformer import DiffusionTransformer
 from engine.request import Geometry, Request
 from engine.slots import Slots
-from engine.static_forward import Buffer, StaticForwards, attended_columns
+from engine.static_forward import Buffer, attended_columns
 
 FULL, DUAL, PREFIX = "full", "dual", "prefix"
 
@@ -44,8 +44,6 @@ class MaskedDiffusion(DecodingMode):
 
     def __init__(self, model: DiffusionTransformer, slots: Slots, static: Optional[str] = None) -> None:
         super().__init__(model, slots, static)
-        self.static_forwards = None if static is None else StaticForwards(
-            self._static_run, static, slots.canvas.shape[0], model.device)
         self.shift = 1 if model.logits_shifted else 0  # Dream: output i-1 predicts token i
 
     @property

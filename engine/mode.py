@@ -19,7 +19,7 @@ A mode owns what differs between paradigms, so that nothing else branches on the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import Any, ClassVar, Optional
 
@@ -35,6 +35,7 @@ from engine.errors import RequestError
 from engine.models.protocol import DiffusionModel
 from engine.request import Geometry, Request
 from engine.slots import RowTables, Slots
+from engine.static_forward import StaticForwards, static_experts
 
 ForwardFn = Callable[[Batch, int], torch.Tensor]  # (the rows of one forward, the step's width) -> logits
 _DEFAULTS = {f.name: f.default for f in fields(DecodeParams)}
@@ -57,11 +58,18 @@ class DecodingMode:
         `engine.static_forward.HOW` ("graph": CUDA graphs; "compile": torch.compile); None: they do not."""
         self.model = model
         self.slots = slots
+        static = static_experts(model, static)
+        self.static_forwards: Optional[StaticForwards] = None if static is None else StaticForwards(
+            self._static_run, static, slots.canvas.shape[0], model.device)
         self.mask_id = model.special.mask_id
         self.blank = self.mask_id  # what a canvas's generation positions start as
 
     @property
     def forwards(self) -> dict[str, ForwardFn]:
+        raise NotImplementedError
+
+    def _static_run(self, inputs: Mapping[str, torch.Tensor], key: Any) -> torch.Tensor:
+        """The mode's cached forward on static buffers (engine.static_forward), for the shape `key`."""
         raise NotImplementedError
 
     def canvas(self, knobs: dict[str, Any], max_tokens: Optional[int], room: int) -> Any:

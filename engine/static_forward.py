@@ -30,6 +30,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch import nn
+
+from engine.errors import SettingError
+from engine.models.moe import GroupedExperts
 
 log = logging.getLogger("cai_dllm.engine")
 
@@ -53,6 +57,21 @@ def attended_columns(longest: int, store_width: int) -> int:
     attends (one shape for every span up to it), within the store short of its last column (the
     scratch column that idle slots write)."""
     return min(1 << (longest - 1).bit_length(), store_width - 1)
+
+
+def static_experts(model: nn.Module, how: Optional[str]) -> Optional[str]:
+    """How a model's static forwards may run (`how`, or None: eagerly), given its experts. A CUDA
+    graph runs them by torch's grouped GEMM (bfloat16, engine.models.moe): other experts keep their
+    steps eager, as CUDA graphs are a default. A compiled forward runs any unquantized experts
+    (`dense` where the grouped GEMM does not compile); quantized ones refuse the flag."""
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    if how == "graph" and not all(m.static for m in experts):
+        return None
+    if how == "compile" and not all(m.compiles for m in experts):
+        raise SettingError("--torch-compile", f"{getattr(model, 'display_name', 'the model')}'s experts are "
+                                              f"quantized, and a compiled forward cannot run them (one linear "
+                                              f"pair per expert, read from the host); serve it without the flag")
+    return how
 
 
 @dataclass(frozen=True)
@@ -97,6 +116,11 @@ class StaticForwards:
     def made(self) -> int:
         """Shapes made so far (graphs captured, when capturing)."""
         return len(self._shapes)
+
+    @property
+    def keys(self) -> tuple[Hashable, ...]:
+        """The keys of the shapes made (since the store last grew)."""
+        return tuple(self._shapes)
 
     def bucket(self, max_slot: int) -> int:
         """The batch bucket of a step whose highest slot is `max_slot`."""

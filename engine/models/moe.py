@@ -10,7 +10,11 @@ Experts: the (token, expert) pairs are sorted by expert, so each expert runs one
 tokens. Two kernels compute that: `plain` (one matmul pair per expert with tokens; it reads the
 per-expert counts on the host, once per MoE layer) and `grouped_mm` (torch's grouped GEMM over the
 jagged groups: no host read), taken automatically where PyTorch documents it (CUDA, bf16) and inside
-a compiled or captured forward (which cannot read the host), where the weights' strides allow it.
+a compiled or captured forward (which cannot read the host), where the weights' dtype and strides
+allow it. Where they do not (float32, which torch's grouped GEMM does not compile), a compiled
+forward takes `dense`: every expert over every token, each pair's output picked after; no host read
+and fixed shapes, at experts / experts_per_token times the expert FLOPs, so it pays only for models
+with few experts (the built-in ones).
 Quantized experts (`--quantization`) are one quantized linear pair per expert, run as `plain` runs
 its matmuls: neither quantization library has a grouped kernel over stacked weights.
 
@@ -33,7 +37,7 @@ from engine.models.config import MoeConfig
 from engine.models.layers import FusedLinear, SwiGLU
 from engine.models.parallel.group import SINGLE, TensorParallel
 
-MOE_KERNELS = ("plain", "grouped_mm")
+MOE_KERNELS = ("plain", "grouped_mm", "dense")
 _QUANTIZED_KERNEL = "quantized"  # one quantized linear pair per expert (GroupedExperts.quantize)
 # The official router divides by (sum of chosen scores + this) when it picks more than one expert.
 _WEIGHT_SUM_GUARD = 1e-20
@@ -166,40 +170,48 @@ class GroupedExperts(nn.Module):
 
     @property
     def static(self) -> bool:
-        """Whether a compiled or captured forward can run these experts: by `grouped_mm` (no host
+        """Whether a captured forward can run these experts at their cost: by `grouped_mm` (no host
         read), which takes bfloat16 weights whose strides it allows."""
         if self.quantized is not None:
             return False
         weight = self.stacked_weights()[0]
         return weight.dtype == torch.bfloat16 and _grouped_mm_fits(weight, (self.hidden_size, self.intermediate_size))
 
+    @property
+    def compiles(self) -> bool:
+        """Whether a compiled forward can run these experts: by `grouped_mm` or `dense` (float weights)."""
+        return self.quantized is None
+
     def kernel_for(self, x: torch.Tensor) -> str:
         if self.quantized is not None:
             return _QUANTIZED_KERNEL
         if self.kernel is not None:
             return self.kernel
+        # a compiled or captured forward (engine.static_forward) cannot read the counts on the host
+        if torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return "grouped_mm" if self.static else "dense"
         on_documented_device = (x.is_cuda and x.dtype == torch.bfloat16
                                 and torch.cuda.get_device_capability(x.device) >= (8, 0))
-        # a compiled or captured forward (engine.static_forward) cannot read the counts on the host
-        static = torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
-        if (on_documented_device or static) and _grouped_mm_fits(x, (self.hidden_size, self.intermediate_size)):
+        if on_documented_device and _grouped_mm_fits(x, (self.hidden_size, self.intermediate_size)):
             return "grouped_mm"
         return "plain"
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], expert_ids [T, k] (global), weights [T, k] float32 -> Σ_j weights[:, j] · expert_j(x)
         over the pairs whose expert this rank holds, [T, H]."""
-        tokens, top_k = expert_ids.shape
+        top_k = expert_ids.shape[1]
         flat = expert_ids.reshape(-1)
         elsewhere = None
         if self.local < self.num_experts:  # pairs of other ranks' experts go to a last group, never run
             flat = flat - self.first
             elsewhere = (flat < 0) | (flat >= self.local)
             flat = flat.masked_fill(elsewhere, self.local)
+        kernel = self.kernel_for(x)
+        if kernel == "dense":
+            return self._weighted_sum(self._dense(x, flat, top_k, elsewhere), weights, x.dtype)
         order = flat.argsort(stable=True)
         grouped = x[order // top_k]  # one row per (token, expert) pair, grouped by expert
         counts = expert_counts(flat, self.local if elsewhere is None else self.local + 1)  # + the never-run group
-        kernel = self.kernel_for(x)
         if kernel == _QUANTIZED_KERNEL:
             out = self._quantized(grouped, counts)
         else:
@@ -212,8 +224,25 @@ class GroupedExperts(nn.Module):
             out = out.masked_fill(elsewhere[order][:, None], 0)
         per_pair = torch.empty_like(out)
         per_pair[order] = out
-        # the weighted sum in float32, then back to the activation dtype (as the official moe_infer)
-        return (per_pair.view(tokens, top_k, -1).float() * weights[..., None]).sum(1).to(x.dtype)
+        return self._weighted_sum(per_pair, weights, x.dtype)
+
+    @staticmethod
+    def _weighted_sum(per_pair: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Σ_j weights[:, j] · per_pair of (token, j) ([T·k, H], token-major): in float32, then back to
+        the activation dtype (as the official moe_infer)."""
+        tokens, top_k = weights.shape
+        return (per_pair.view(tokens, top_k, -1).float() * weights[..., None]).sum(1).to(dtype)
+
+    def _dense(self, x: torch.Tensor, flat: torch.Tensor, top_k: int,
+               elsewhere: Optional[torch.Tensor]) -> torch.Tensor:
+        """Every local expert over every token ([local, T, H]), then each (token, expert) pair's row,
+        [T·k, H] token-major; a pair of another rank's expert (`elsewhere`) is zero."""
+        gate_up, down = self.stacked_weights()
+        gate, up = torch.matmul(x, gate_up.transpose(1, 2)).split(self.intermediate_size, dim=-1)
+        every = torch.matmul(self.activation(gate) * up, down.transpose(1, 2))
+        token = torch.arange(x.shape[0], device=x.device).repeat_interleave(top_k)
+        per_pair = every[flat.clamp(max=self.local - 1), token]
+        return per_pair if elsewhere is None else per_pair.masked_fill(elsewhere[:, None], 0)
 
     def _plain(self, grouped: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
                down: torch.Tensor) -> torch.Tensor:

@@ -99,12 +99,14 @@ def test_static_forwards_follow_the_engine_config():
         StaticForwards(lambda x, key: x["ids"], "graph", 4, torch.device("cpu"))
 
 
-def test_a_float32_moe_refuses_compile_and_keeps_its_eager_steps_under_graphs(llada2_dir):
-    """torch's grouped GEMM, the experts' only kernel without a host read, takes bfloat16: a float32
-    MoE refuses --torch-compile naming the flag, and under CUDA graphs' default decodes eagerly."""
+def test_a_float32_moe_compiles_dense_and_keeps_its_eager_steps_under_graphs(llada2_dir):
+    """torch's grouped GEMM, the experts' kernel without a host read, takes bfloat16: a float32 MoE
+    compiles with the dense kernel (engine.models.moe), and under CUDA graphs' default decodes
+    eagerly; quantized experts (one linear pair per expert) refuse --torch-compile naming the flag."""
     model = load_model(llada2_dir)
-    with pytest.raises(SettingError, match="--torch-compile"):
-        Engine.from_model(model, torch_compile=True)
+    assert Engine.from_model(model, torch_compile=True).mode.static_forwards.how == "compile"
     engine = Engine.from_model(model)
     # the mode as CUDA graphs' default makes it (on a CPU, where a graph would be refused)
     assert type(engine.mode)(model, engine.slots, "graph").static_forwards is None
+    with pytest.raises(SettingError, match="--torch-compile"):
+        Engine.from_model(load_model(llada2_dir, quantization="int8"), torch_compile=True)

@@ -19,7 +19,7 @@ from engine.models.moe import GroupedExperts, grouped_mm_available
 
 LOGITS_ATOL = 1e-4  # the fixture READMEs' tolerance (logit std ≈ 5-12)
 STATE_ATOL = 1e-5  # hidden states, keys and values, router outputs
-MOE_KERNELS = ["plain", "grouped_mm"] if grouped_mm_available() else ["plain"]
+MOE_KERNELS = ["plain", "grouped_mm", "dense"] if grouped_mm_available() else ["plain", "dense"]
 
 
 def _close(ours: torch.Tensor, ref: torch.Tensor, atol: float) -> None:
@@ -286,7 +286,7 @@ def test_llada2_cached_block_matches_official(llada2_model, llada2_data):
 
 @pytest.mark.parametrize("tokens", [1, 3, 64])
 def test_grouped_experts_match_a_per_token_reference(llada2_model, tokens):
-    """Both expert kernels against Σ_j w_j · expert_j(x) computed token by token, including
+    """Every expert kernel against Σ_j w_j · expert_j(x) computed token by token, including
     experts that get no token (1 token routes to only top-k experts)."""
     experts = next(m for m in llada2_model.modules() if isinstance(m, GroupedExperts))
     moe = llada2_model.config.moe
