@@ -72,15 +72,17 @@ class Slots:
 
     def _grow(self, running: Sequence[Request]) -> None:
         """The one growth rule: the canvas is as wide as the longest canvas plus the widest block (no
-        row's block window runs past it) and the store one column wider (a scratch column no row
-        attends); block-wide row state as wide as the widest block."""
+        row's block window runs past it) and the store, when it must grow, to the power of two at or
+        above that plus one column (a scratch column no row attends): a store that grows by doubling
+        reallocates rarely, and every static forward shape made over it (engine.static_forward) lives
+        until then; block-wide row state as wide as the widest block."""
         needed = max(r.length for r in running) + max(r.block_length for r in running)
         if needed > self.canvas.shape[1]:
             grown = torch.full((self.canvas.shape[0], needed), self.pad_id, dtype=torch.long, device=self.device)
             grown[:, :self.canvas.shape[1]] = self.canvas
             self.canvas = grown
         if needed + 1 > self.store.width:
-            self.store.reserve(needed + 1)
+            self.store.reserve((1 << (needed - 1).bit_length()) + 1)
             self.positions = torch.arange(self.store.width, device=self.device)
         block_width = max(r.block_length for r in running)
         for name, spec in self.row_state.items():

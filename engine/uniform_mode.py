@@ -28,6 +28,7 @@ and its prefill encodes only the rest (nothing, when every prompt token is resto
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -43,9 +44,11 @@ from engine.host_copy import to_device
 from engine.mode import DecodingMode, ForwardFn
 from engine.request import Geometry, Request
 from engine.slots import RowTables
+from engine.static_forward import Buffer, attended_columns
 from engine.uniform_slots import UniformSlots
 
 CANVAS = "canvas"
+ENCODE = "encode"  # a static shape's key tag: the commit pass's encoder (UniformDiffusion._static_commit)
 BLANK = -1  # what a canvas not yet committed reads in the slot's canvas (never a token id, never fed)
 # the sampling filters: the entropy-bound sampler draws from the whole tempered distribution
 _FILTERS = {"top_k": (None, -1, 0), "top_p": (None, 1.0), "min_p": (None, 0.0)}
@@ -150,6 +153,12 @@ class UniformDiffusion(DecodingMode):
         for fed, group in groups.items():
             if fed == 0:  # a prompt restored whole from the prefix cache
                 continue
+            # (not as a CUDA graph: a capture runs its forward once before the replay, and this pass
+            # advances the cache, where every other static forward writes the same values twice)
+            static = self.static_forwards is not None and self.static_forwards.how != "graph"
+            if static and fed == length <= slots.store.retained:
+                self._static_commit(group)
+                continue
             start = torch.tensor([r.block_start - fed for r in group])
             slot_ids = [r.slot for r in group]
             at = to_device(torch.tensor(slot_ids), slots.device)
@@ -163,6 +172,20 @@ class UniformDiffusion(DecodingMode):
             state.index_fill_(0, at, 0)  # no host value to copy (an assigned 0 would be one)
         slots.state["noisy"][at] = torch.cat([d.canvas((1, length)) for d in draws if d is not None]).to(slots.device)
 
+    def _static_commit(self, group: list[Request]) -> None:
+        """The encoder pass of the canvases these rows committed last, on static buffers keyed by
+        (bucket, columns, ENCODE). It keeps no pass for the prefix cache: the ring still holds a
+        canvas no longer than it (the caller's condition)."""
+        assert self.static_forwards is not None
+        slots, length = self.slots, self.canvas_length
+        at = to_device(torch.tensor([r.slot for r in group]), slots.device)
+        start = to_device(torch.tensor([r.block_start - length for r in group]), slots.device)
+        ids = slots.canvas[at[:, None], start[:, None] + slots.positions[:length]]
+        columns = attended_columns(max(r.block_start for r in group), slots.store.width)
+        key = (self.static_forwards.bucket(max(r.slot for r in group)), columns, ENCODE)
+        self.static_forwards.forward(key, self._commit_buffers, slots.store.keys[0], at,
+                                     {"ids": ids, "live": torch.ones_like(at, dtype=torch.bool)})
+
     def _canvas(self, rows: Batch, width: int) -> torch.Tensor:
         """Logits [B, CL, V] of each row's noisy canvas against its cache."""
         slots, requests = self.slots, rows.requests
@@ -170,10 +193,35 @@ class UniformDiffusion(DecodingMode):
         if starting:
             self._encode_and_draw(rows, starting)
         soft: Optional[torch.Tensor] = None
-        if len(starting) < len(requests):  # a zero signal is exactly no self-conditioning
+        if len(starting) < len(requests) or self.static_forwards is not None:  # zeros: no self-conditioning
             soft = torch.where((rows.step > 0)[:, None, None], slots.state["soft"][rows.slots], 0)
-        return self.model.decode(slots.state["noisy"][rows.slots], slots.store, rows=rows.slots, self_conditioning=soft,
-                                 width=max(r.block_start for r in requests) + self.canvas_length)
+        noisy, width = slots.state["noisy"][rows.slots], max(r.block_start for r in requests) + self.canvas_length
+        if self.static_forwards is not None:
+            columns = attended_columns(width, slots.store.width)
+            key = (self.static_forwards.bucket(requests[-1].slot), columns)
+            return self.static_forwards.forward(key, self._buffers, slots.store.keys[0], rows.slots,
+                                                {"canvas": noisy, "soft": soft})
+        return self.model.decode(noisy, slots.store, rows=rows.slots, self_conditioning=soft, width=width)
+
+    def _buffers(self) -> dict[str, Buffer]:
+        """A static decoder pass's inputs; a slot that takes no part decodes token 0 unconditioned
+        at its own length (its full layers' scratch columns, which its own next pass rewrites)."""
+        length = self.canvas_length
+        return {"canvas": Buffer((length,), torch.long, 0),
+                "soft": Buffer((length, self.model.config.hidden_size), self.model.dtype, 0)}
+
+    def _commit_buffers(self) -> dict[str, Buffer]:
+        """A static commit pass's inputs; a slot that takes no part is not `live` (`CachePass`)."""
+        return {"ids": Buffer((self.canvas_length,), torch.long, 0), "live": Buffer((), torch.bool, 0)}
+
+    def _static_run(self, x: Mapping[str, torch.Tensor], key: tuple) -> torch.Tensor:
+        """Slots [0, bucket) over `columns` full-layer columns: the decoder pass's logits [bucket, CL, V],
+        or the commit pass (key ending in ENCODE), which returns its `live` input."""
+        store, columns = self.slots.store, key[1]
+        if key[-1] == ENCODE:
+            self.model.encode(x["ids"], store, width=columns, live=x["live"])
+            return x["live"]
+        return self.model.decode(x["canvas"], store, self_conditioning=x["soft"], width=columns)
 
     # ------------------------------------------------------------------------------- decide step
 

@@ -183,8 +183,9 @@ class Gemma4Cache:
 
 def _never_empty(mask: torch.Tensor) -> torch.Tensor:
     """A query with no attendable key (a left pad: the official code gets a zero attention output
-    for it) attends to every key instead, so that its output stays finite whatever the kernel; no
-    real query ever attends to a pad, so its value does not matter."""
+    for it; an idle slot of a static forward, engine.static_forward) attends to every key instead,
+    so that its output stays finite whatever the kernel; no real query ever attends to a pad, so its
+    value does not matter."""
     return mask | ~mask.any(dim=-1, keepdim=True)
 
 
@@ -193,13 +194,17 @@ class CachePass:
     the module docstring). `rows` [B]: the slot of each input row (None: slots 0..B-1, read as views);
     `attendable_new` [B, L]: which new tokens of an encoder pass are real (None: all; a decoder's
     canvas is always real); `width`: the full-layer columns attended over (None: all of them);
-    `slot_ids`: `rows` as host ints, for a cache that keeps its passes (prefix caching)."""
+    `slot_ids`: `rows` as host ints, for a cache that keeps its passes (prefix caching); `live` [B]
+    bool: an encoder pass's rows that encode (None: all); the others, idle slots of a static pass
+    (engine.static_forward), leave their ring, key mask and length as they were (their full layers
+    write only their own scratch columns, past their length, which their next pass rewrites)."""
 
     def __init__(self, cache: Gemma4Cache, batch: int, length: int, *, encoder: bool,
                  rows: Optional[torch.Tensor] = None, attendable_new: Optional[torch.Tensor] = None,
-                 width: Optional[int] = None, slot_ids: Optional[Sequence[int]] = None) -> None:
+                 width: Optional[int] = None, slot_ids: Optional[Sequence[int]] = None,
+                 live: Optional[torch.Tensor] = None) -> None:
         device = cache.attendable.device
-        self.cache, self.encoder, self.batch, self.length = cache, encoder, batch, length
+        self.cache, self.encoder, self.batch, self.length, self.live = cache, encoder, batch, length, live
         self.slot_ids = slot_ids if slot_ids is not None or rows is not None else range(batch)
         self.first_rows = rows is None
         self.rows = torch.arange(batch, device=device) if rows is None else rows
@@ -211,11 +216,15 @@ class CachePass:
         if encoder:
             new_ok = (torch.ones(batch, length, dtype=torch.bool, device=device) if attendable_new is None
                       else attendable_new.bool())
+            if live is not None:
+                new_ok = torch.where(live[:, None], new_ok, cache.attendable[self.rows[:, None], self.positions])
             cache.attendable[self.rows[:, None], self.positions] = new_ok
-        elif attendable_new is not None:
-            raise ValueError("a decoder pass's canvas is always attendable")
+        elif attendable_new is not None or live is not None:
+            raise ValueError("a decoder pass's canvas is always attendable, and every row of it decodes")
         attendable = cache.attendable[self.rows, :self.width]
-        ring_ok = (ring >= 0) & attendable.gather(1, ring.clamp(min=0))
+        # (a row's ring holds positions below its length, inside `width`; the clamp keeps the read of
+        # an idle slot of a static forward, whose length may lie past it, in bounds)
+        ring_ok = (ring >= 0) & attendable.gather(1, ring.clamp(0, self.width - 1))
         columns = torch.arange(self.width, device=device)
         if encoder:
             full = (columns <= self.positions[..., None]) & attendable[:, None, :]  # causal over positions
@@ -227,7 +236,7 @@ class CachePass:
         else:
             cached = attendable & (columns < start[:, None])
             canvas = (columns >= start[:, None]) & (columns < start[:, None] + length)
-            self.full_mask = (cached | canvas)[:, None, None, :]
+            self.full_mask = _never_empty(cached | canvas)[:, None, None, :]
             canvas_ok = torch.ones(batch, length, dtype=torch.bool, device=device)
             self.sliding_mask = torch.cat((ring_ok, canvas_ok), dim=-1)[:, None, None, :]
 
@@ -243,8 +252,11 @@ class CachePass:
         if cache.sliding[layer]:
             tail = slice(max(0, self.length - cache.retained), self.length)
             index = torch.remainder(self.positions[:, tail], cache.retained)
-            write_kv(cache.keys[layer], k[:, :, tail], index, self.rows)
-            write_kv(cache.values[layer], v[:, :, tail], index, self.rows)
+            for store, new in ((cache.keys[layer], k[:, :, tail]), (cache.values[layer], v[:, :, tail])):
+                if self.live is not None:  # an idle row writes back what its ring holds there
+                    held = store.transpose(1, 2)[self.rows[:, None], index].transpose(1, 2)
+                    new = torch.where(self.live[:, None, None, None], new, held)
+                write_kv(store, new, index, self.rows)
             if cache.passes is not None and self.slot_ids is not None:
                 for b, slot in enumerate(self.slot_ids):
                     cache.passes.setdefault(slot, {})[layer] = (k[b], v[b])
@@ -273,4 +285,7 @@ class CachePass:
 
     def end_encoder(self) -> None:
         """The encoder pass's tokens are now cached."""
-        self.cache.length[self.rows] += self.length
+        if self.live is None:
+            self.cache.length[self.rows] += self.length
+        else:
+            self.cache.length[self.rows] += torch.where(self.live, self.length, 0)
