@@ -255,6 +255,7 @@ def run_block_model(name: str, args: argparse.Namespace, device: torch.device, d
     # CUDA graphs rows where the engine captures this model's steps (a float32 MoE's run eagerly)
     captures = getattr(args, "cuda_graphs", False) and Engine.from_model(model, cuda_graphs=True).mode.static_forwards
     graphs = (False, True) if captures else (False,)
+    touched_eager: dict[tuple[int, str], Optional[float]] = {}
     for batch, graph in [(batch, graph) for batch in args.batches for graph in graphs]:
         prompts = random_prompts(batch, args.prompt_len, spec.token_limit, args.seed + batch)
         times = time_block_steps(model, prompts, args, graph)
@@ -264,9 +265,11 @@ def run_block_model(name: str, args: argparse.Namespace, device: torch.device, d
             if reported != {batch * shape.fed}:
                 print(f"# warning: the engine reports {sorted(reported)} tokens fed, the floor counts "
                       f"{batch * shape.fed} ({name} batch {batch} {kind})")
-            touched: Optional[float] = statistics.mean(times.experts_touched[kind]) if moe else None
+            if not graph:  # the graph rows reuse the eager rows' count (a replay runs no Python hook)
+                touched_eager[batch, kind] = statistics.mean(times.experts_touched[kind]) if moe else None
+            touched = touched_eager[batch, kind]
             dims = block_dims(model, touched or 0)
-            if touched is not None:
+            if touched is not None and not graph:
                 layers = model.config.num_layers - moe.first_dense_layers
                 print(f"# {name} batch {batch} {kind}: {touched / layers:.1f} of {moe.num_experts} routed experts "
                       f"touched per MoE layer (measured, random router)")

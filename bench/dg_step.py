@@ -40,7 +40,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from block_step import ExpertCounter
@@ -109,19 +109,23 @@ class DgTimes:
 
 
 def time_dg_steps(model: DiffusionGemmaModel, prompts: list[tuple[int, ...]], cached_steps: int,
-                  repeats: int) -> DgTimes:
-    """Warm-up pass (experts counted), then `repeats` fresh engines, each timed through every step of
-    the first canvas and the second canvas's first step."""
+                  repeats: int, graphs: bool = False) -> DgTimes:
+    """Warm-up pass (experts counted, eager rows only), then `repeats` fresh engines, each timed through
+    every step of the first canvas and the second canvas's first step. With `graphs`, the decoder
+    passes run as CUDA graphs (EngineConfig.cuda_graphs): each engine decodes the prompts once
+    untimed, capturing its shapes, then again timed (the store keeps its width, so its graphs stay)."""
     canvas = model.canvas_length
     params = DecodeParams(policy="dg-official", gen_length=2 * canvas, block_length=canvas,
                           max_denoising_steps=cached_steps + 1, adaptive_stop=False, ignore_eos=True)
     kinds = (PREFILL, DENOISE, NEXT)
     times = DgTimes({k: [] for k in kinds}, {k: set() for k in kinds}, {k: [] for k in kinds})
     for repeat in range(repeats + 1):
-        engine = Engine.from_model(model, max_batch=len(prompts))
+        engine = Engine.from_model(model, max_batch=len(prompts), cuda_graphs=graphs)
+        if graphs:
+            engine.generate(list(prompts), params)
         for i, prompt in enumerate(prompts):
             engine.add_request(prompt, params, f"bench-{i}")
-        counter = ExpertCounter(model, Gemma4Router) if repeat == 0 else None
+        counter = ExpertCounter(model, Gemma4Router) if repeat == 0 and not graphs else None
         for step in range(cached_steps + 2):
             kind = PREFILL if step == 0 else NEXT if step == cached_steps + 1 else DENOISE
             if counter is not None:
@@ -133,7 +137,7 @@ def time_dg_steps(model: DiffusionGemmaModel, prompts: list[tuple[int, ...]], ca
             elapsed = time.perf_counter() - start
             if counter is not None:
                 times.experts_touched[kind].append(counter.touched)
-            else:
+            elif repeat:
                 times.seconds[kind].append(elapsed)
                 times.fed_reported[kind].add(sum(o.fed_tokens for o in outputs))
         if counter is not None:
@@ -248,23 +252,30 @@ def run_dg_model(args: argparse.Namespace, device: torch.device, dtype: torch.dt
           f"{gemma.num_experts} experts top-{gemma.experts_per_token} of {dims.expert / 1e6:.2f}M params each, "
           f"canvas {model.canvas_length}), built in {time.perf_counter() - start:.1f} s; uniform mode, "
           f"{k} denoising steps timed per canvas")
-    for batch in args.batches:
+    # CUDA graphs rows where the engine captures the decoder pass (float32 experts run eagerly)
+    captures = getattr(args, "cuda_graphs", False) and Engine.from_model(model, cuda_graphs=True).mode.static_forwards
+    touched_eager: dict[tuple[int, str], float] = {}
+    graphs = (False, True) if captures else (False,)
+    for batch, graph in [(batch, graph) for batch in args.batches for graph in graphs]:
         prompts = random_dg_prompts(batch, args.prompt_len, dims.vocab, args.seed + batch)
-        times = time_dg_steps(model, prompts, k, args.repeats)
+        times = time_dg_steps(model, prompts, k, args.repeats, graph)
         for kind in (PREFILL, DENOISE, NEXT):
             shape = dg_step_shape(kind, batch, args.prompt_len, model.canvas_length)
             fed = batch * shape.fed
             if times.fed_reported[kind] != {fed}:
                 print(f"# warning: the engine reports {sorted(times.fed_reported[kind])} tokens fed, the floor "
                       f"counts {fed} ({NAME} batch {batch} {kind})")
-            touched: Optional[float] = statistics.mean(times.experts_touched[kind])
             passes = 2 if shape.encoded else 1
-            print(f"# {NAME} batch {batch} {kind}: {touched / (passes * len(dims.layers)):.1f} of "
-                  f"{gemma.num_experts} routed experts touched per layer and pass (measured, random router)")
+            if not graph:  # the graph rows reuse the eager rows' count (a replay runs no Python hook)
+                touched_eager[batch, kind] = statistics.mean(times.experts_touched[kind])
+                print(f"# {NAME} batch {batch} {kind}: {touched_eager[batch, kind] / (passes * len(dims.layers)):.1f} "
+                      f"of {gemma.num_experts} routed experts touched per layer and pass (measured, random router)")
+            touched = touched_eager[batch, kind]
             step_s = statistics.median(times.seconds[kind])
             mem_s = dg_step_bytes(dims, shape, touched) / rates.copy_bytes_per_s
             comp_s = dg_step_flops(dims, shape) / rates.matmul_flops_per_s
             floor_s = max(mem_s, comp_s)
-            emit((NAME, "none", batch, "exact", kind, model.attention_backend, 1e3 * step_s, fed, fed / step_s,
+            label = f"{model.attention_backend}+graph" if graph else model.attention_backend
+            emit((NAME, "none", batch, "exact", kind, label, 1e3 * step_s, fed, fed / step_s,
                   1e3 * mem_s, 1e3 * comp_s, 1e3 * floor_s, step_s / floor_s))
     del model

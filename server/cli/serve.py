@@ -33,12 +33,14 @@ def add_parser(sub: Any) -> None:
                 help="most tokens one scoring forward feeds the model; a scoring request runs as such chunks "
                      "between decode steps, so a step waits on one at most")
     add_setting(engine, "cuda_graphs", action=argparse.BooleanOptionalAction,
-                 help="run the dual-cache and block-diffusion cached steps as CUDA graphs, one per batch bucket "
+                 help="run the cached steps (masked dual/prefix, block-diffusion, uniform-noise decoder) as CUDA "
+                      "graphs, one per batch bucket "
                       "(CUDA only; --no-cuda-graphs or --enforce-eager: eager steps)",
                  unset="on for CUDA at --tensor-parallel-size 1")
     add_setting(engine, "torch_compile", action=argparse.BooleanOptionalAction,
-                help="compile the block-diffusion cached step with torch.compile(fullgraph=True), once per shape "
-                     "met (the first step of a shape waits for its compile; docs/performance.md)")
+                help="compile the cached steps (masked dual/prefix, block-diffusion, uniform-noise passes) with "
+                     "torch.compile(fullgraph=True), once per shape met (the first step of a shape waits for its "
+                     "compile; docs/performance.md)")
     engine.add_argument("--enforce-eager", dest="cuda_graphs", action="store_false", default=None,
                         help="vLLM's name for --no-cuda-graphs")
     add_setting(engine, "enable_prefix_caching", action=argparse.BooleanOptionalAction,
