@@ -9,8 +9,8 @@ The same held-out chat problems, decoding and threads for each; runs alternated 
 engines, so a slow phase of a shared machine hits each at random; ratios of the medians against the
 ordinary forward. The compiled engine's first runs compile every shape they meet (batch bucket x
 tokens fed x columns attended), until a run meets no new one (the second compiles again the shapes
-first met before the store last grew; sampled texts meet other shapes): their time is printed as the
-warm-up cost and left out of the ratio. Generated tokens are the response
+first met before the store last grew): their time is printed as the warm-up cost and left out of
+the ratio. Generated tokens are the response
 tokens (before the end token); accuracy is exact match, `cai-dllm eval`'s grader; "identical"
 counts the texts equal to the ordinary forward's. DiffusionGemma samples every step, so a rounding
 difference of the static or compiled pass (more columns summed, other batch shapes) can change a
@@ -95,7 +95,7 @@ def main() -> None:
         torch._dynamo.reset()
         began = time.perf_counter()
         # until a run meets no new shape (at most WARM_UP_RUNS): a shape first met before the store
-        # last grew is compiled again over the grown store, and sampled texts meet other shapes
+        # last grew is compiled again over the grown store
         static = engines["compiled"].mode.static_forwards
         for warm_up_runs in range(1, WARM_UP_RUNS + 1):
             made = static.keys

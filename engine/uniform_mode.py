@@ -150,21 +150,22 @@ class UniformDiffusion(DecodingMode):
         for b in starting:
             r = requests[b]
             groups.setdefault(self._to_encode(r), []).append(r)
+        # a commit pass runs on static buffers, not as a CUDA graph: a capture runs its forward once
+        # before the replay, and this pass advances the cache, where every other static forward
+        # writes the same values twice
+        static = self.static_forwards is not None and self.static_forwards.how != "graph"
         for fed, group in groups.items():
             if fed == 0:  # a prompt restored whole from the prefix cache
                 continue
-            # (not as a CUDA graph: a capture runs its forward once before the replay, and this pass
-            # advances the cache, where every other static forward writes the same values twice)
-            static = self.static_forwards is not None and self.static_forwards.how != "graph"
-            if static and fed == length <= slots.store.retained:
-                self._static_commit(group)
-                continue
-            start = torch.tensor([r.block_start - fed for r in group])
             slot_ids = [r.slot for r in group]
             at = to_device(torch.tensor(slot_ids), slots.device)
-            columns = to_device(start, slots.device)[:, None] + slots.positions[:fed]
-            self.model.encode(slots.canvas[at[:, None], columns], slots.store, rows=at,
-                              width=max(r.block_start for r in group), slot_ids=slot_ids)
+            start = to_device(torch.tensor([r.block_start - fed for r in group]), slots.device)
+            ids = slots.canvas[at[:, None], start[:, None] + slots.positions[:fed]]
+            width = max(r.block_start for r in group)
+            if static and fed == length <= slots.store.retained:
+                self._static_commit(at, max(slot_ids), ids, width)
+            else:
+                self.model.encode(ids, slots.store, rows=at, width=width, slot_ids=slot_ids)
         fresh = [requests[b] for b in starting]
         at = to_device(torch.tensor([r.slot for r in fresh]), slots.device)
         draws = [slots.draws[r.slot] for r in fresh]
@@ -172,18 +173,15 @@ class UniformDiffusion(DecodingMode):
             state.index_fill_(0, at, 0)  # no host value to copy (an assigned 0 would be one)
         slots.state["noisy"][at] = torch.cat([d.canvas((1, length)) for d in draws if d is not None]).to(slots.device)
 
-    def _static_commit(self, group: list[Request]) -> None:
-        """The encoder pass of the canvases these rows committed last, on static buffers keyed by
-        (bucket, columns, ENCODE). It keeps no pass for the prefix cache: the ring still holds a
-        canvas no longer than it (the caller's condition)."""
+    def _static_commit(self, at: torch.Tensor, last_slot: int, ids: torch.Tensor, width: int) -> None:
+        """The encoder pass of the canvases `ids` [B, CL] the rows in slots `at` (the highest
+        `last_slot`) committed last, over `width` columns, on static buffers keyed by (bucket,
+        columns, ENCODE). It keeps no pass for the prefix cache: the ring still holds a canvas no
+        longer than it (the caller's condition)."""
         assert self.static_forwards is not None
-        slots, length = self.slots, self.canvas_length
-        at = to_device(torch.tensor([r.slot for r in group]), slots.device)
-        start = to_device(torch.tensor([r.block_start - length for r in group]), slots.device)
-        ids = slots.canvas[at[:, None], start[:, None] + slots.positions[:length]]
-        columns = attended_columns(max(r.block_start for r in group), slots.store.width)
-        key = (self.static_forwards.bucket(max(r.slot for r in group)), columns, ENCODE)
-        self.static_forwards.forward(key, self._commit_buffers, slots.store.keys[0], at,
+        store = self.slots.store
+        key = (self.static_forwards.bucket(last_slot), attended_columns(width, store.width), ENCODE)
+        self.static_forwards.forward(key, self._commit_buffers, store.keys[0], at,
                                      {"ids": ids, "live": torch.ones_like(at, dtype=torch.bool)})
 
     def _canvas(self, rows: Batch, width: int) -> torch.Tensor:

@@ -131,8 +131,8 @@ def test_the_static_passes_compile_whole_and_decode_the_same(model):
 
 
 def test_the_dense_kernel_computes_only_this_ranks_experts(model):
-    """An expert-parallel rank's share (experts [1, 3) of 4): the dense kernel's sum is the plain
-    kernel's, pairs routed to other ranks' experts adding nothing."""
+    """An expert-parallel rank's share (half the experts, from the second): the dense kernel's sum is
+    the plain kernel's, pairs routed to other ranks' experts adding nothing."""
     whole = next(m for m in model.modules() if isinstance(m, GroupedExperts))
     size, hidden, experts = whole.intermediate_size, whole.hidden_size, whole.num_experts
     share = GroupedExperts(hidden, size, experts, first=1, count=experts // 2, activation=whole.activation,
@@ -142,8 +142,9 @@ def test_the_dense_kernel_computes_only_this_ranks_experts(model):
     share.down_proj.data = down[1:1 + experts // 2].clone()
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(7, hidden, generator=gen)
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(7)])
-    weights = torch.rand(7, 2, generator=gen)
+    top_k = model.gemma.experts_per_token
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(7)])
+    weights = torch.rand(7, top_k, generator=gen)
     sums = {}
     for kernel in ("plain", "dense"):
         share.kernel = kernel
