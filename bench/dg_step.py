@@ -112,8 +112,9 @@ def time_dg_steps(model: DiffusionGemmaModel, prompts: list[tuple[int, ...]], ca
                   repeats: int, graphs: bool = False) -> DgTimes:
     """Warm-up pass (experts counted, eager rows only), then `repeats` fresh engines, each timed through
     every step of the first canvas and the second canvas's first step. With `graphs`, the decoder
-    passes run as CUDA graphs (EngineConfig.cuda_graphs): each engine decodes the prompts once
-    untimed, capturing its shapes, then again timed (the store keeps its width, so its graphs stay)."""
+    and commit passes run as CUDA graphs (EngineConfig.cuda_graphs; a prompt's encoder pass runs
+    eagerly): each engine decodes the prompts once untimed, capturing its shapes, then again timed
+    (the store keeps its width, so its graphs stay)."""
     canvas = model.canvas_length
     params = DecodeParams(policy="dg-official", gen_length=2 * canvas, block_length=canvas,
                           max_denoising_steps=cached_steps + 1, adaptive_stop=False, ignore_eos=True)
@@ -252,7 +253,7 @@ def run_dg_model(args: argparse.Namespace, device: torch.device, dtype: torch.dt
           f"{gemma.num_experts} experts top-{gemma.experts_per_token} of {dims.expert / 1e6:.2f}M params each, "
           f"canvas {model.canvas_length}), built in {time.perf_counter() - start:.1f} s; uniform mode, "
           f"{k} denoising steps timed per canvas")
-    # CUDA graphs rows where the engine captures the decoder pass (float32 experts run eagerly)
+    # CUDA graphs rows where the engine captures the decoder and commit passes (float32 experts run eagerly)
     captures = getattr(args, "cuda_graphs", False) and Engine.from_model(model, cuda_graphs=True).mode.static_forwards
     touched_eager: dict[tuple[int, str], float] = {}
     graphs = (False, True) if captures else (False,)

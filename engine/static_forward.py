@@ -43,6 +43,7 @@ HOW = ("eager", "compile", "graph")
 _BUCKET_STEP = 8
 # torch.compile compiles each key once; a server meets a few dozen (buckets x fed lengths x widths)
 _COMPILED_SHAPES = 256
+ShapeFn = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -90,6 +91,7 @@ RunFn = Callable[[Mapping[str, torch.Tensor], Hashable], torch.Tensor]  # (buffe
 class _Shape:
     inputs: dict[str, torch.Tensor]  # [bucket, ...] each
     idle: dict[str, int]
+    run: ShapeFn  # the forward at this key (compiled, when compiling)
     output: Optional[torch.Tensor] = None  # the captured graph's
     graph: Optional[torch.cuda.CUDAGraph] = None
 
@@ -107,8 +109,8 @@ class StaticForwards:
         self.buckets = batch_buckets(max_batch)
         self._run = run
         if how == "compile":
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _COMPILED_SHAPES)
-            self._run = torch.compile(run, fullgraph=True, dynamic=False)
+            torch._dynamo.config.accumulated_recompile_limit = max(
+                torch._dynamo.config.accumulated_recompile_limit, _COMPILED_SHAPES)
         self._shapes: dict[Hashable, _Shape] = {}
         self._owner: Optional[torch.Tensor] = None  # the store tensor the shapes were made over
 
@@ -143,15 +145,15 @@ class StaticForwards:
             tensor.fill_(shape.idle[name])
         for name, value in rows.items():
             shape.inputs[name][slots] = value
-        # a new shape is compiled or captured on this step's inputs: idle ones alone need not be
-        # consistent with the key (a key may count the tokens the rows feed)
+        # a new shape is compiled on this step's inputs (idle ones alone need not be consistent with
+        # the key: a key may count the tokens the rows feed), or captured (`_capture`)
         if new and self.how == "graph":
             began = time.perf_counter()
             self._capture(shape, key)
             log.info("static forward %s: captured in %.1f s", key, time.perf_counter() - began)
         if shape.graph is None:
             began = time.perf_counter()
-            out = self._run(shape.inputs, key)[slots]
+            out = shape.run(shape.inputs)[slots]
             if new and self.how == "compile":
                 log.info("static forward %s: compiled in %.1f s", key, time.perf_counter() - began)
             return out
@@ -163,19 +165,50 @@ class StaticForwards:
         bucket = key[0] if isinstance(key, tuple) else key
         return _Shape(inputs={name: torch.full((bucket, *b.shape), b.idle, dtype=b.dtype, device=self.device)
                               for name, b in buffers.items()},
-                      idle={name: b.idle for name, b in buffers.items()})
+                      idle={name: b.idle for name, b in buffers.items()}, run=self._shape_run(key))
+
+    def _shape_run(self, key: Hashable) -> ShapeFn:
+        """The forward at `key`; compiled, a function of its own: dynamo keeps a function's compiled
+        versions on its code object and tries their guards one after another on every call, so one
+        function compiled for every key would pay, each call, for the guards of the shapes made
+        before its own. Only its tensors' guards are kept: the function runs on its own buffers and
+        the one store it was made over (a new store drops it), so the other guards (on the modules'
+        attributes and the weights' identity) could never fail, and checking them on every call is
+        host time the step waits for."""
+        run = self._run
+
+        def shape_run(x: Mapping[str, torch.Tensor]) -> torch.Tensor:
+            return run(x, key)
+
+        if self.how != "compile":
+            return shape_run
+        shape_run.__code__ = shape_run.__code__.replace(co_name=f"static_forward_{len(self._shapes)}")
+        return torch.compile(shape_run, fullgraph=True, dynamic=False,
+                             options={"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe})
+
+    def run_idle(self, key: Hashable) -> None:
+        """Run the shape made for `key` on its idle inputs, which it keeps as they were: what a
+        capture warms up on. An idle slot writes only a scratch column, so this changes nothing a
+        row reads, even in a forward that advances the cache (the uniform mode's commit pass)."""
+        shape = self._shapes[key]
+        held = {name: tensor.clone() for name, tensor in shape.inputs.items()}
+        for name, tensor in shape.inputs.items():
+            tensor.fill_(shape.idle[name])
+        shape.run(shape.inputs)
+        for name, tensor in shape.inputs.items():
+            tensor.copy_(held[name])
 
     def _capture(self, shape: _Shape, key: Hashable) -> None:
         # Warm up on a side stream first (the allocator's and the kernels' first-call work stays out
-        # of the graph), as PyTorch's capture recipe asks: the step's own forward, which the replay
-        # then runs again (the same keys and values written twice).
+        # of the graph), as PyTorch's capture recipe asks, on idle inputs (`run_idle`): the replay
+        # then runs the step's forward once.
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._run(shape.inputs, key)
+            self.run_idle(key)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         # Each graph keeps its own memory pool: replays of different shapes never share scratch memory.
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            shape.output = self._run(shape.inputs, key)
+            shape.output = shape.run(shape.inputs)
         shape.graph = graph

@@ -8,7 +8,8 @@ Each step, for every row, one forward (`canvas`):
   has not encoded yet (the prompt, or the canvas committed last), as the official loop encodes
   before each canvas (the last committed canvas is never encoded), and the row draws its initial
   canvas; rows encoding as many tokens share an encoder pass (no padding: a row's numbers do not
-  depend on its batch-mates);
+  depend on its batch-mates), or, on static buffers, every row encoding a canvas's length or fewer
+  shares one, its tokens padded (`_static_encode`);
 - the decoder over the row's noisy canvas against its cache, self-conditioned on the previous
   step's soft embeddings (none at a canvas's first step).
 The decide step (`decide`, batched over the rows) tempers the logits (T from t_max towards t_min),
@@ -48,7 +49,7 @@ from engine.static_forward import Buffer, attended_columns
 from engine.uniform_slots import UniformSlots
 
 CANVAS = "canvas"
-ENCODE = "encode"  # a static shape's key tag: the commit pass's encoder (UniformDiffusion._static_commit)
+ENCODE = "encode"  # a static shape's key tag: the encoder pass (UniformDiffusion._static_encode)
 BLANK = -1  # what a canvas not yet committed reads in the slot's canvas (never a token id, never fed)
 # the sampling filters: the entropy-bound sampler draws from the whole tempered distribution
 _FILTERS = {"top_k": (None, -1, 0), "top_p": (None, 1.0), "min_p": (None, 0.0)}
@@ -143,29 +144,30 @@ class UniformDiffusion(DecodingMode):
     # ---------------------------------------------------------------------------------- forwards
 
     def _encode_and_draw(self, rows: Batch, starting: list[int]) -> None:
-        """The encoder pass of the rows at a canvas's first step (by encoded length), their initial
-        canvases and their canvas state reset."""
+        """The encoder pass of the rows at a canvas's first step, their initial canvases and their
+        canvas state reset. On static buffers, every row that encodes a canvas's length or fewer (a
+        committed canvas; a short prompt) shares one pass (`_static_encode`); the others share a pass
+        with the rows that encode as many tokens (no padding)."""
         slots, requests, length = self.slots, rows.requests, self.canvas_length
         groups: dict[int, list[Request]] = {}
+        static: list[Request] = []
         for b in starting:
             r = requests[b]
-            groups.setdefault(self._to_encode(r), []).append(r)
-        # a commit pass runs on static buffers, not as a CUDA graph: a capture runs its forward once
-        # before the replay, and this pass advances the cache, where every other static forward
-        # writes the same values twice
-        static = self.static_forwards is not None and self.static_forwards.how != "graph"
-        for fed, group in groups.items():
+            fed = self._to_encode(r)
             if fed == 0:  # a prompt restored whole from the prefix cache
                 continue
+            if self.static_forwards is not None and fed <= min(length, slots.store.retained):
+                static.append(r)
+            else:
+                groups.setdefault(fed, []).append(r)
+        if static:
+            self._static_encode(static)
+        for fed, group in groups.items():
             slot_ids = [r.slot for r in group]
             at = to_device(torch.tensor(slot_ids), slots.device)
             start = to_device(torch.tensor([r.block_start - fed for r in group]), slots.device)
             ids = slots.canvas[at[:, None], start[:, None] + slots.positions[:fed]]
-            width = max(r.block_start for r in group)
-            if static and fed == length <= slots.store.retained:
-                self._static_commit(at, max(slot_ids), ids, width)
-            else:
-                self.model.encode(ids, slots.store, rows=at, width=width, slot_ids=slot_ids)
+            self.model.encode(ids, slots.store, rows=at, width=max(r.block_start for r in group), slot_ids=slot_ids)
         fresh = [requests[b] for b in starting]
         at = to_device(torch.tensor([r.slot for r in fresh]), slots.device)
         draws = [slots.draws[r.slot] for r in fresh]
@@ -173,16 +175,28 @@ class UniformDiffusion(DecodingMode):
             state.index_fill_(0, at, 0)  # no host value to copy (an assigned 0 would be one)
         slots.state["noisy"][at] = torch.cat([d.canvas((1, length)) for d in draws if d is not None]).to(slots.device)
 
-    def _static_commit(self, at: torch.Tensor, last_slot: int, ids: torch.Tensor, width: int) -> None:
-        """The encoder pass of the canvases `ids` [B, CL] the rows in slots `at` (the highest
-        `last_slot`) committed last, over `width` columns, on static buffers keyed by (bucket,
-        columns, ENCODE). It keeps no pass for the prefix cache: the ring still holds a canvas no
-        longer than it (the caller's condition)."""
+    def _static_encode(self, group: list[Request]) -> None:
+        """One encoder pass on static buffers, keyed by (bucket, columns, ENCODE), for the rows of
+        `group`, each encoding a canvas's length or fewer tokens that fit the sliding ring (so the
+        prefix cache's insert finds them there: the pass keeps none for it). Each row's tokens are
+        padded to a canvas's length, and the rows to the batch bucket by a slot that takes no part;
+        a padding token encodes nothing (`count`, CachePass). Longer prompts would make a shape per
+        length, each compiled or captured on first use, so they stay eager."""
         assert self.static_forwards is not None
-        store = self.slots.store
-        key = (self.static_forwards.bucket(last_slot), attended_columns(width, store.width), ENCODE)
-        self.static_forwards.forward(key, self._commit_buffers, store.keys[0], at,
-                                     {"ids": ids, "live": torch.ones_like(at, dtype=torch.bool)})
+        slots, store = self.slots, self.slots.store
+        fed = [self._to_encode(r) for r in group]
+        padding = self.static_forwards.bucket(len(group) - 1) - len(group)
+        spare = min(set(range(len(group) + 1)) - {r.slot for r in group})
+        host = torch.tensor([[r.slot for r in group] + [spare] * padding,
+                             [r.block_start - n for r, n in zip(group, fed, strict=True)] + [0] * padding,
+                             fed + [0] * padding])
+        at, start, count = to_device(host, slots.device)
+        steps = slots.positions[:self.canvas_length]
+        read = (start[:, None] + steps).clamp(max=slots.canvas.shape[1] - 1)
+        ids = torch.where(steps < count[:, None], slots.canvas[at[:, None], read], 0)  # padding: any token id
+        key = (len(at), attended_columns(max(r.block_start for r in group), store.width), ENCODE)
+        self.static_forwards.forward(key, self._encode_buffers, store.keys[0],
+                                     slots.positions[:len(at)], {"ids": ids, "rows": at, "count": count})
 
     def _canvas(self, rows: Batch, width: int) -> torch.Tensor:
         """Logits [B, CL, V] of each row's noisy canvas against its cache."""
@@ -208,17 +222,20 @@ class UniformDiffusion(DecodingMode):
         return {"canvas": Buffer((length,), torch.long, 0),
                 "soft": Buffer((length, self.model.config.hidden_size), self.model.dtype, 0)}
 
-    def _commit_buffers(self) -> dict[str, Buffer]:
-        """A static commit pass's inputs; a slot that takes no part is not `live` (`CachePass`)."""
-        return {"ids": Buffer((self.canvas_length,), torch.long, 0), "live": Buffer((), torch.bool, 0)}
+    def _encode_buffers(self) -> dict[str, Buffer]:
+        """A static encoder pass's inputs: each row's slot (`rows`) and the tokens it encodes (`count`);
+        a row that takes no part encodes none."""
+        return {"ids": Buffer((self.canvas_length,), torch.long, 0), "rows": Buffer((), torch.long, 0),
+                "count": Buffer((), torch.long, 0)}
 
     def _static_run(self, x: Mapping[str, torch.Tensor], key: tuple) -> torch.Tensor:
-        """Slots [0, bucket) over `columns` full-layer columns: the decoder pass's logits [bucket, CL, V],
-        or the commit pass (key ending in ENCODE), which returns its `live` input."""
+        """The decoder pass's logits [bucket, CL, V] of slots [0, bucket) over `columns` full-layer
+        columns (key (bucket, columns)), or the encoder pass of the slots `rows` (key (bucket, columns,
+        ENCODE)), which returns its `count` input."""
         store, columns = self.slots.store, key[1]
         if key[-1] == ENCODE:
-            self.model.encode(x["ids"], store, width=columns, live=x["live"])
-            return x["live"]
+            self.model.encode(x["ids"], store, rows=x["rows"], width=columns, count=x["count"])
+            return x["count"]
         return self.model.decode(x["canvas"], store, self_conditioning=x["soft"], width=columns)
 
     # ------------------------------------------------------------------------------- decide step

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +80,15 @@ def ordinary_ids(model: Any, lengths: Sequence[int], seed: int = 0) -> list[list
     allowed = torch.tensor([t for t in range(model.config.vocab_size) if t not in barred])
     gen = torch.Generator().manual_seed(seed)
     return [allowed[torch.randint(len(allowed), (n,), generator=gen)].tolist() for n in lengths]
+
+
+def idle_passes(engine: Any) -> Callable[[float], None]:
+    """An `on_progress` callback: after each step, every static pass made so far runs once more on
+    its idle inputs (StaticForwards.run_idle, what a CUDA graph's capture warms up on), which must
+    change nothing a row reads."""
+    def run(done: float) -> None:
+        forwards = engine.mode.static_forwards
+        with torch.inference_mode():  # as the step runs
+            for key in forwards.keys:
+                forwards.run_idle(key)
+    return run

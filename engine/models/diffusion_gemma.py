@@ -218,23 +218,23 @@ class DiffusionGemmaModel(nn.Module):
     def encode(self, input_ids: torch.Tensor, cache: Gemma4Cache, *, rows: Optional[torch.Tensor] = None,
                attention_mask: Optional[torch.Tensor] = None, width: Optional[int] = None,
                hidden_states_out: Optional[list[torch.Tensor]] = None,
-               slot_ids: Optional[Sequence[int]] = None, live: Optional[torch.Tensor] = None) -> None:
+               slot_ids: Optional[Sequence[int]] = None, count: Optional[torch.Tensor] = None) -> None:
         """Encode input_ids [B, L] (a prompt, or a committed canvas) at positions length..length+L-1
         of cache rows `rows` (slots 0..B-1 when None) and cache them. `attention_mask` [B, L]: 0 marks a
         pad (left padding). `width` (a host int, >= max(length) + L): the full-layer columns read;
         None reads them all. `hidden_states_out`, when a list, gets every layer's input and the
         final-normed output (Hugging Face's `output_hidden_states` order). `slot_ids`: `rows` as host
-        ints, for a cache that keeps its passes (`Gemma4Cache.keep_passes`). `live` [B] bool: the rows
-        that encode, the others idle slots of a static pass (`CachePass`). A long prompt may be
-        encoded in consecutive chunks with the same result: no query looks further back than the
-        sliding ring and the chunk hold."""
+        ints, for a cache that keeps its passes (`Gemma4Cache.keep_passes`). `count` [B]: the tokens
+        each row encodes, its first ones (None: all), in a static pass (`CachePass`). A long prompt
+        may be encoded in consecutive chunks with the same result: no query looks further back than
+        the sliding ring and the chunk hold."""
         check_input_ids(input_ids)
         batch, length = input_ids.shape
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids "
                              f"shape {tuple(input_ids.shape)}")
         view = CachePass(cache, batch, length, encoder=True, rows=rows, attendable_new=attention_mask, width=width,
-                         slot_ids=slot_ids, live=live)
+                         slot_ids=slot_ids, count=count)
         ropes = self._ropes(view.positions)
         h = self.embed_tokens(input_ids)
         last = len(self.layers) - 1

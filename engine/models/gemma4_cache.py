@@ -194,17 +194,18 @@ class CachePass:
     the module docstring). `rows` [B]: the slot of each input row (None: slots 0..B-1, read as views);
     `attendable_new` [B, L]: which new tokens of an encoder pass are real (None: all; a decoder's
     canvas is always real); `width`: the full-layer columns attended over (None: all of them);
-    `slot_ids`: `rows` as host ints, for a cache that keeps its passes (prefix caching); `live` [B]
-    bool: an encoder pass's rows that encode (None: all); the others, idle slots of a static pass
-    (engine.static_forward), leave their ring, key mask and length as they were (their full layers
-    write only their own scratch columns, past their length, which their next pass rewrites)."""
+    `slot_ids`: `rows` as host ints, for a cache that keeps its passes (prefix caching); `count`
+    [B] long: how many of an encoder pass's tokens each row encodes, its first ones (None: all): a
+    static pass (engine.static_forward) pads its rows' tokens, and its idle slots encode none; a
+    token past its row's count writes only the store's last column, which no row attends, and
+    leaves the ring, key mask and length as they were."""
 
     def __init__(self, cache: Gemma4Cache, batch: int, length: int, *, encoder: bool,
                  rows: Optional[torch.Tensor] = None, attendable_new: Optional[torch.Tensor] = None,
                  width: Optional[int] = None, slot_ids: Optional[Sequence[int]] = None,
-                 live: Optional[torch.Tensor] = None) -> None:
+                 count: Optional[torch.Tensor] = None) -> None:
         device = cache.attendable.device
-        self.cache, self.encoder, self.batch, self.length, self.live = cache, encoder, batch, length, live
+        self.cache, self.encoder, self.batch, self.length = cache, encoder, batch, length
         self.slot_ids = slot_ids if slot_ids is not None or rows is not None else range(batch)
         self.first_rows = rows is None
         self.rows = torch.arange(batch, device=device) if rows is None else rows
@@ -212,14 +213,24 @@ class CachePass:
         start = cache.length[self.rows]
         steps = torch.arange(length, device=device)
         self.positions = start[:, None] + steps  # [B, L]
+        self.write_at = self.positions  # each token's full-layer column
+        self.end = start + (length if count is None else count)  # the row's length after an encoder pass
         ring = cache.ring_positions(start)  # [B, window-1]
         if encoder:
             new_ok = (torch.ones(batch, length, dtype=torch.bool, device=device) if attendable_new is None
                       else attendable_new.bool())
-            if live is not None:
-                new_ok = torch.where(live[:, None], new_ok, cache.attendable[self.rows[:, None], self.positions])
-            cache.attendable[self.rows[:, None], self.positions] = new_ok
-        elif attendable_new is not None or live is not None:
+            if count is not None:
+                encodes = steps < count[:, None]
+                new_ok = new_ok & encodes
+                self.write_at = torch.where(encodes, self.positions, cache.attendable.shape[1] - 1)
+                new_ok_at = torch.where(encodes, new_ok, cache.attendable[self.rows[:, None], self.write_at])
+                cache.attendable[self.rows[:, None], self.write_at] = new_ok_at
+            else:
+                cache.attendable[self.rows[:, None], self.positions] = new_ok
+            # after the pass, each ring column holds the latest position below the row's new length:
+            # this pass's token there, or what it holds already
+            self.ring_token = cache.ring_positions(self.end) - start[:, None]  # [B, window-1]
+        elif attendable_new is not None or count is not None:
             raise ValueError("a decoder pass's canvas is always attendable, and every row of it decodes")
         attendable = cache.attendable[self.rows, :self.width]
         # (a row's ring holds positions below its length, inside `width`; the clamp keeps the read of
@@ -250,19 +261,18 @@ class CachePass:
         last layer needs nothing else: its attention output is never used)."""
         cache = self.cache
         if cache.sliding[layer]:
-            tail = slice(max(0, self.length - cache.retained), self.length)
-            index = torch.remainder(self.positions[:, tail], cache.retained)
-            for store, new in ((cache.keys[layer], k[:, :, tail]), (cache.values[layer], v[:, :, tail])):
-                if self.live is not None:  # an idle row writes back what its ring holds there
-                    held = store.transpose(1, 2)[self.rows[:, None], index].transpose(1, 2)
-                    new = torch.where(self.live[:, None, None, None], new, held)
-                write_kv(store, new, index, self.rows)
+            written = (self.ring_token >= 0)[:, None, :, None]
+            at = self.ring_token.clamp(0, self.length - 1)[:, None, :, None]
+            for store, new in ((cache.keys[layer], k), (cache.values[layer], v)):
+                ring = torch.where(written, new.gather(2, at.expand(-1, new.shape[1], -1, new.shape[3])),
+                                   self._read(store, None))
+                store.index_copy_(0, self.rows, ring)
             if cache.passes is not None and self.slot_ids is not None:
                 for b, slot in enumerate(self.slot_ids):
                     cache.passes.setdefault(slot, {})[layer] = (k[b], v[b])
         else:
-            write_kv(cache.keys[layer], k, self.positions, self.rows)
-            write_kv(cache.values[layer], v, self.positions, self.rows)
+            write_kv(cache.keys[layer], k, self.write_at, self.rows)
+            write_kv(cache.values[layer], v, self.write_at, self.rows)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention (scale 1.0) of q [B, heads, L, head_dim] over this layer's keys, after this
@@ -285,7 +295,4 @@ class CachePass:
 
     def end_encoder(self) -> None:
         """The encoder pass's tokens are now cached."""
-        if self.live is None:
-            self.cache.length[self.rows] += self.length
-        else:
-            self.cache.length[self.rows] += torch.where(self.live, self.length, 0)
+        self.cache.length[self.rows] = self.end

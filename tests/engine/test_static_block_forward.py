@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ordinary_ids
+from conftest import idle_passes, ordinary_ids
 
 from engine import DecodeParams, Engine, EngineConfig, load_model
 from engine.chat import chat_prompt_ids
@@ -44,7 +44,8 @@ def _params(i: int, block: int, policy: str) -> DecodeParams:
 def test_static_block_forward_decodes_what_the_packed_forward_decodes(fixtures, llada2_dir, policy):
     """Every block fixture checkpoint (SDAR, LLaDA2's MoE), more requests than rows (rows join in freed
     slots while others run), prompts of different lengths (the store grows mid-run, so the static
-    buffers are made anew): the same tokens and forwards as the ordinary cached forward."""
+    buffers are made anew), every pass made run again on idle inputs after each step (what a capture
+    warms up on): the same tokens and forwards as the ordinary cached forward."""
     for path in _block_checkpoints(fixtures, llada2_dir):
         model = load_model(path)
         block = Engine.from_model(model).model_block_length
@@ -54,7 +55,7 @@ def test_static_block_forward_decodes_what_the_packed_forward_decodes(fixtures, 
             params = [p.with_overrides(store_pass=p.store_pass and model.config.moe is None) for p in params]
         ordinary = Engine.from_model(model, max_batch=4).generate(prompts, params)
         engine = _static_engine(model, 4)
-        static = engine.generate(prompts, params)
+        static = engine.generate(prompts, params, on_progress=idle_passes(engine))
         for a, b in zip(ordinary, static, strict=True):
             assert (a.generated_ids, a.stats.nfe) == (b.generated_ids, b.stats.nfe), path.name
         assert engine.mode.static_forwards.made > 0, "the static forward ran"

@@ -100,6 +100,37 @@ def test_static_commit_passes_cache_what_the_ordinary_ones_cache(model):
     assert commits > 0, "a commit pass ran on static buffers"
 
 
+def test_a_pass_on_idle_inputs_changes_nothing_a_row_reads(model):
+    """What a CUDA graph's capture warms up on (StaticForwards.run_idle): after every step, every pass
+    made so far, commit passes included, runs once more on idle inputs; each slot's length, key mask,
+    ring and full-layer positions below its length stay as they were, and the tokens are those of
+    the same engine without the extra passes."""
+    canvas = model.canvas_length
+    prompts = _prompts(model, (2, 2 * canvas + 1, canvas, 5, 3 * canvas - 1))
+    params = [_params(i, canvas) for i in range(len(prompts))]
+    plain = _static_engine(model, 3).generate(prompts, params)
+    engine = _static_engine(model, 3)
+    forwards, store = engine.mode.static_forwards, engine.slots.store
+
+    def idle_passes(done: float) -> None:
+        before = {"length": store.length.clone(), "attendable": store.attendable.clone(),
+                  "keys": [k.clone() for k in store.keys], "values": [v.clone() for v in store.values]}
+        with torch.inference_mode():  # as the step runs
+            for key in forwards.keys:
+                forwards.run_idle(key)
+        assert torch.equal(store.length, before["length"])
+        assert torch.equal(store.attendable, before["attendable"])
+        for slot, length in enumerate(before["length"].tolist()):
+            for layer, sliding in enumerate(store.sliding):
+                seen = slice(None) if sliding else slice(0, length)
+                for name in ("keys", "values"):
+                    assert torch.equal(getattr(store, name)[layer][slot, :, seen], before[name][layer][slot, :, seen])
+
+    idle = engine.generate(prompts, params, on_progress=idle_passes)
+    assert [r.generated_ids for r in idle] == [r.generated_ids for r in plain]
+    assert any(key[-1] == ENCODE for key in forwards.keys), "a commit pass ran on idle inputs"
+
+
 def test_one_host_read_a_step_on_static_buffers(model):
     """The static pass adds no read-back: one device-to-host read per step, as the ordinary one (the
     experts by the kernel a compiled pass runs: the plain one reads each layer's expert counts)."""
