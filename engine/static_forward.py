@@ -189,7 +189,7 @@ class StaticForwards:
     def run_idle(self, key: Hashable) -> None:
         """Run the shape made for `key` on its idle inputs, which it keeps as they were: what a
         capture warms up on. An idle slot writes only a scratch column, so this changes nothing a
-        row reads, even in a forward that advances the cache (the uniform mode's commit pass)."""
+        row reads, even in a forward that advances the cache (the uniform mode's encoder pass)."""
         shape = self._shapes[key]
         held = {name: tensor.clone() for name, tensor in shape.inputs.items()}
         for name, tensor in shape.inputs.items():
