@@ -157,8 +157,10 @@ class BlockDiffusion(DecodingMode):
     def _static_run(self, x: Mapping[str, torch.Tensor], key: tuple[int, int, int, int]) -> torch.Tensor:
         """Logits [bucket, width, V] of slots [0, bucket): an idle slot feeds nothing (its padding
         writes the store's last column, which no row attends)."""
-        bucket, _, columns, _ = key
+        columns = key[2]
         store = self.slots.store
-        cache = BlockCache(store.rows_view(slice(0, bucket)), x["start"], width=columns, fed=x["fed"],
+        # the whole store, whose first rows are the bucket's slots: a view of them would be copied
+        # whole by a compiled forward's writes (engine.models.kv_cache.write_kv)
+        cache = BlockCache(store, x["start"], width=columns, fed=x["fed"],
                            scratch=store.width - 1)
         return self.model.forward_cached(x["ids"], cache, block_size=x["block"], logits_at=x["at"])

@@ -164,8 +164,8 @@ class MaskedDiffusion(DecodingMode):
 
     def _static_run(self, x: Mapping[str, torch.Tensor], key: tuple[int, int, int, int]) -> torch.Tensor:
         """Logits [bucket, width, V] of slots [0, bucket)."""
-        bucket, _, columns, _ = key
-        cache = CacheWrite(self.slots.store.rows_view(slice(0, bucket)), x["write_index"], width=columns)
+        # the whole store, whose first rows are the bucket's slots (not a view of them: write_kv)
+        cache = CacheWrite(self.slots.store, x["write_index"], width=key[2])
         return self.model(x["ids"], position_ids=x["positions"], cache=cache, logits_at=x["at"])
 
     def _cached_inputs(self, rows: Batch, query_length: int, scratch: int,

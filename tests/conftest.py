@@ -92,3 +92,23 @@ def idle_passes(engine: Any) -> Callable[[float], None]:
             for key in forwards.keys:
                 forwards.run_idle(key)
     return run
+
+
+def compiled_code(run: Callable[[], Any]) -> str:
+    """The code inductor generates for every compile that `run` triggers (compiled anew: a graph
+    found in inductor's cache is not generated again)."""
+    from torch._inductor.utils import run_and_get_code
+
+    with torch._inductor.config.patch(force_disable_caches=True):
+        code = "\n".join(run_and_get_code(run)[1])
+    assert code, "nothing was compiled"
+    return code
+
+
+def copies_whole(code: str, tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether a generated CPU kernel loops over as many elements as some of the first slots of one of
+    `tensors` ([slots, ...]) hold: how a write through a view of a store (`index_put_` on a slice of
+    its slots, on a transpose) compiles, those slots copied out and back, where a write into the
+    store itself stays in place (engine.models.kv_cache.write_kv)."""
+    return any(f"<static_cast<int64_t>({n * t[0].numel()}L)" in code
+               for t in tensors for n in range(1, t.shape[0] + 1))

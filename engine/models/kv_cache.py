@@ -144,8 +144,15 @@ def write_kv(store: torch.Tensor, new: torch.Tensor, write_index: torch.Tensor, 
     [B, heads, L, dim] (`rows` [B], or [B, L]: a store row per token, for packed tokens). Indexed
     assignment through a [S, width, heads, dim] view rather than scatter_ along the width: the same
     writes, but each fed position moves one contiguous heads x dim slab instead of a scatter_ that
-    walks every element with its own index."""
-    store.transpose(1, 2)[rows if rows.dim() == 2 else rows[:, None], write_index] = new.transpose(1, 2)
+    walks every element with its own index. Under torch.compile, the same writes index the store
+    itself: inductor writes a graph input's `index_put_` in place, but an `index_put_` through a view
+    of it becomes a copy of the whole store, written back after (twice a layer per store tensor)."""
+    row = rows if rows.dim() == 2 else rows[:, None]
+    if torch.compiler.is_compiling():
+        heads = torch.arange(store.shape[1], device=store.device)
+        store.index_put_((row[:, None, :], heads[None, :, None], write_index[:, None, :]), new)
+    else:
+        store.transpose(1, 2)[row, write_index] = new.transpose(1, 2)
 
 
 @dataclass

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import idle_passes, ordinary_ids
+from conftest import compiled_code, copies_whole, idle_passes, ordinary_ids
 
 from engine import DecodeParams, Engine, EngineConfig, load_model
 from engine.chat import chat_prompt_ids
@@ -76,7 +76,7 @@ def test_the_built_in_block_model_answers_the_same_on_static_buffers():
 def test_the_static_block_forward_compiles_whole_and_decodes_the_same(fixtures, llada2_dir):
     """torch.compile(fullgraph=True) of the static forward (a graph break raises): on the smallest
     SDAR fixture, one bucket and the fed lengths of a denoising step and a block's first step, the
-    tokens of the eager static forward."""
+    tokens of the eager static forward; the keys and values written in place (no copy of the store)."""
     model = load_model(_block_checkpoints(fixtures, llada2_dir)[0])
     block = model.block_size
     [prompt] = ordinary_ids(model, (block,), seed=3)
@@ -84,9 +84,13 @@ def test_the_static_block_forward_compiles_whole_and_decodes_the_same(fixtures, 
                           ignore_eos=True)
     eager = _static_engine(model, 1).generate([prompt], params)
     torch._dynamo.reset()
-    compiled = _static_engine(model, 1, how="compile")
-    assert compiled.generate([prompt], params)[0].generated_ids == eager[0].generated_ids
+    compiled = _static_engine(model, 2, how="compile")  # bucket 1 of two slots
+    results: list = []
+    code = compiled_code(lambda: results.extend(compiled.generate([prompt], params)))
+    assert results[0].generated_ids == eager[0].generated_ids
     assert compiled.mode.static_forwards.made > 0
+    store = compiled.slots.store
+    assert not copies_whole(code, store.keys + store.values)
 
 
 def test_static_forwards_follow_the_engine_config():

@@ -11,7 +11,7 @@ from typing import Optional
 
 import pytest
 import torch
-from conftest import idle_passes
+from conftest import compiled_code, copies_whole, idle_passes
 
 from engine import DecodeParams, Engine, EngineConfig, load_model
 from engine.batch import Batch
@@ -128,13 +128,18 @@ def test_static_dual_forward_leaves_other_slots_caches_alone(llada_model):
 
 def test_the_static_dual_forward_compiles_whole_and_decodes_the_same(llada_model):
     """torch.compile(fullgraph=True) of the dual step (a graph break raises), one bucket and one
-    block length: the tokens of the eager static forward."""
+    block length: the tokens of the eager static forward; the keys and values written in place (no
+    copy of the store)."""
     params = DecodeParams(policy="fixed", gen_length=16, block_length=8, steps=16, cache="dual")
     eager = _static_engine(llada_model, 1).generate([[5, 6, 7]], params)
     torch._dynamo.reset()
-    compiled = _static_engine(llada_model, 1, how="compile")
-    assert compiled.generate([[5, 6, 7]], params)[0].generated_ids == eager[0].generated_ids
+    compiled = _static_engine(llada_model, 2, how="compile")  # bucket 1 of two slots
+    results: list = []
+    code = compiled_code(lambda: results.extend(compiled.generate([[5, 6, 7]], params)))
+    assert results[0].generated_ids == eager[0].generated_ids
     assert compiled.mode.static_forwards.made > 0
+    store = compiled.slots.store
+    assert not copies_whole(code, store.keys + store.values)
 
 
 @pytest.mark.cuda

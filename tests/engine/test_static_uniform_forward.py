@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FIXTURES, ordinary_ids
+from conftest import FIXTURES, compiled_code, copies_whole, ordinary_ids
 
 from engine import load_model
 from engine.decoding.params import DecodeParams
@@ -149,14 +149,21 @@ def test_one_host_read_a_step_on_static_buffers(model):
 
 
 def test_the_static_passes_compile_whole_and_decode_the_same(model):
-    """torch.compile(fullgraph=True) of the decoder and commit passes (a graph break raises), one
-    bucket: the tokens of the eager static passes."""
+    """torch.compile(fullgraph=True) of the decoder and encoder passes (a graph break raises), one
+    bucket: the tokens of the eager static passes; the full layers' keys and values written in
+    place (no copy of the store; a sliding ring is rewritten whole, from its old columns)."""
     [prompt] = _prompts(model, (3,))
     params = _params(1, model.canvas_length)
     eager = _static_engine(model, 1).generate([prompt], params)
     torch._dynamo.reset()
     compiled = _static_engine(model, 1, how="compile")
-    assert compiled.generate([prompt], params)[0].generated_ids == eager[0].generated_ids
+    results: list = []
+    code = compiled_code(lambda: results.extend(compiled.generate([prompt], params)))
+    assert results[0].generated_ids == eager[0].generated_ids
+    store = compiled.slots.store
+    full = [t for tensors in (store.keys, store.values)
+            for t, sliding in zip(tensors, store.sliding, strict=True) if not sliding]
+    assert full and not copies_whole(code, full)
     assert any(key[-1] == ENCODE for key in compiled.mode.static_forwards.keys), "a commit pass compiled"
     assert any(key[-1] != ENCODE for key in compiled.mode.static_forwards.keys), "a decoder pass compiled"
 
