@@ -56,7 +56,8 @@ class BlockCache:
 
     `store` keys/values are [R, kv_heads, width, head_dim], post-QK-norm and post-RoPE keys and raw
     values, column = absolute position in the row's sequence; input row r reads and writes store
-    row r in place (the engine hands a view of the rows' slots, `KVStore.rows_view`). Row r's cached
+    row r in place (the engine hands a view of the rows' slots, `KVStore.rows_view`, or the whole
+    store when they are its first slots). Row r's cached
     length is `start[r]`. `width` (a host int, at least max(start + fed)) bounds the columns
     attended over; None means the whole store.
 

@@ -9,7 +9,8 @@ a block-diffusion model's forward writes the tokens it feeds after its exact cac
 
 The engine keeps one store for all its slots, and a forward never copies it: a forward that attends
 over the store is handed a view of consecutive rows (`rows_view`; the scheduler keeps the running
-rows in slots [0, n), engine/scheduler.py), and attention reads those rows in place. A full forward
+rows in slots [0, n), engine/scheduler.py), or the whole store when its rows are the first slots (a
+compiled forward: `write_kv`), and attention reads those rows in place. A full forward
 of some rows writes their keys and values into those rows of the store (`rows`, any slots: a write,
 not a read) and attends only to what it computed itself (`attend_to_cache=False`).
 
