@@ -147,7 +147,8 @@ def write_kv(store: torch.Tensor, new: torch.Tensor, write_index: torch.Tensor, 
     writes, but each fed position moves one contiguous heads x dim slab instead of a scatter_ that
     walks every element with its own index. Under torch.compile, the same writes index the store
     itself: inductor writes a graph input's `index_put_` in place, but an `index_put_` through a view
-    of it becomes a copy of the whole store, written back after (twice a layer per store tensor)."""
+    of it becomes a copy of the viewed slots, written into and copied back (twice a layer per store
+    tensor)."""
     row = rows if rows.dim() == 2 else rows[:, None]
     if torch.compiler.is_compiling():
         heads = torch.arange(store.shape[1], device=store.device)

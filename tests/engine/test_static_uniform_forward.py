@@ -164,7 +164,7 @@ def test_the_static_passes_compile_whole_and_decode_the_same(model):
     full = [t for tensors in (store.keys, store.values)
             for t, sliding in zip(tensors, store.sliding, strict=True) if not sliding]
     assert full and not copies_whole(code, full)
-    assert any(key[-1] == ENCODE for key in compiled.mode.static_forwards.keys), "a commit pass compiled"
+    assert any(key[-1] == ENCODE for key in compiled.mode.static_forwards.keys), "an encoder pass compiled"
     assert any(key[-1] != ENCODE for key in compiled.mode.static_forwards.keys), "a decoder pass compiled"
 
 
