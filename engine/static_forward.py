@@ -183,8 +183,12 @@ class StaticForwards:
         if self.how != "compile":
             return shape_run
         shape_run.__code__ = shape_run.__code__.replace(co_name=f"static_forward_{len(self._shapes)}")
-        return torch.compile(shape_run, fullgraph=True, dynamic=False,
-                             options={"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe})
+        options = {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}
+        if self.device.type == "cpu":
+            # on CPU nothing replays the step, so the host code between kernels is paid every step:
+            # inductor's wrapper in C++ rather than Python cuts it (a longer first compile)
+            options["cpp_wrapper"] = True
+        return torch.compile(shape_run, fullgraph=True, dynamic=False, options=options)
 
     def run_idle(self, key: Hashable) -> None:
         """Run the shape made for `key` on its idle inputs, which it keeps as they were: what a
