@@ -124,8 +124,10 @@ def test_start_up_says_loading_and_ready():
 
 
 def test_ctrl_c_in_eval_is_a_line_not_a_traceback():
+    # faulthandler on: a process that outlives its Ctrl-C is sent SIGABRT and prints where its threads are
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "eval", "--model", str(MODEL), "--n", "400"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     seen: list[bytes] = []
 
     def read() -> None:  # the bar redraws with carriage returns, not lines: read what comes
@@ -136,7 +138,13 @@ def test_ctrl_c_in_eval_is_a_line_not_a_traceback():
     reader.start()
     _wait_for(lambda: b"problem" in b"".join(seen), "the progress bar", timeout=120)
     proc.send_signal(signal.SIGINT)
-    code = proc.wait(60)
+    try:
+        code = proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        proc.wait(30)
+        reader.join(10)
+        pytest.fail("eval still ran 60 s after Ctrl-C; its threads:\n" + b"".join(seen).decode()[-6000:])
     reader.join(10)
     errors = b"".join(seen).decode()
     assert code == 130 and "interrupted" in errors and "Traceback" not in errors
