@@ -124,10 +124,13 @@ def test_start_up_says_loading_and_ready():
 
 
 def test_ctrl_c_in_eval_is_a_line_not_a_traceback():
+    # SIGINT at its default in the child: a test run started in the background of a non-interactive
+    # shell ignores it, and a process that inherits an ignored SIGINT rightly keeps ignoring it.
     # faulthandler on: a process that outlives its Ctrl-C is sent SIGABRT and prints where its threads are
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "eval", "--model", str(MODEL), "--n", "400"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+                            env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen: list[bytes] = []
 
     def read() -> None:  # the bar redraws with carriage returns, not lines: read what comes
